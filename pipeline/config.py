@@ -1,0 +1,219 @@
+"""The typed, validated view of params.yaml, and its composition from conf/ (the only Hydra-aware module)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Field(gt=0)
+Fraction = Field(ge=0.0, lt=1.0)
+
+
+class Section(BaseModel):
+    """A config group: unknown keys and loose types are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelConfig(Section):
+    path: str
+    dtype: Literal["float32", "bfloat16", "float16"]
+    max_shard_size: str
+
+
+class CorpusConfig(Section):
+    heldout_fraction: float = Field(gt=0.0, lt=1.0)
+    wiki_max_chars: int = PositiveInt
+    sft_train_examples: int = PositiveInt
+    sft_heldout_examples: int = PositiveInt
+    chat_train_examples: int = PositiveInt
+    chat_heldout_examples: int = PositiveInt
+    seed: int
+
+
+class TokenizerConfig(Section):
+    extend: bool
+    train_file: str
+    heldout_file: str
+    vocab_size: int = Field(ge=300)
+    model_type: Literal["bpe", "unigram"]
+    character_coverage: float = Field(gt=0.0, le=1.0)
+    max_train_chars: int = PositiveInt
+    pad_to_multiple_of: int = PositiveInt
+
+
+class DataConfig(Section):
+    format: Literal["text", "alpaca", "chat"]
+    train_file: str
+    heldout_file: str
+    validation_fraction: float = Fraction
+    block_size: int = PositiveInt
+    tail: Literal["drop", "pad"]
+    max_seq_len: int = PositiveInt
+    prompt_template: str
+    seed: int
+
+    @model_validator(mode="after")
+    def _template(self) -> DataConfig:
+        named = self.prompt_template in ("alpaca", "chat")
+        if not named and "{instruction}" not in self.prompt_template:
+            raise ValueError(
+                "data.prompt_template: expected 'alpaca', 'chat' or a string containing '{instruction}', "
+                f"got {self.prompt_template!r}"
+            )
+        if self.format == "chat" and self.prompt_template != "chat":
+            raise ValueError("data.prompt_template: data.format=chat needs prompt_template=chat")
+        return self
+
+
+class LoraConfig(Section):
+    r: int = PositiveInt
+    alpha: float = Field(gt=0.0)
+    dropout: float = Fraction
+    use_rslora: bool
+    target_modules: list[str] = Field(min_length=1)
+    modules_to_save: list[str]
+    init_new_embeddings: Literal["mean", "normal"]
+
+
+class DeepSpeedConfig(Section):
+    stage: Literal[0, 1, 2, 3]
+    offload_optimizer: bool
+    offload_param: bool
+    overlap_comm: bool
+    contiguous_gradients: bool
+
+    @model_validator(mode="after")
+    def _offload(self) -> DeepSpeedConfig:
+        if self.offload_param and self.stage != 3:
+            raise ValueError(f"deepspeed.offload_param: needs deepspeed.stage=3, got stage={self.stage}")
+        if self.offload_optimizer and self.stage < 1:
+            raise ValueError("deepspeed.offload_optimizer: needs deepspeed.stage >= 1, got stage=0")
+        return self
+
+
+class TrainConfig(Section):
+    micro_batch_size: int = PositiveInt
+    gradient_accumulation_steps: int = PositiveInt
+    max_steps: int = PositiveInt
+    lr: float = Field(gt=0.0)
+    weight_decay: float = Field(ge=0.0)
+    warmup_steps: int = Field(ge=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"]
+    max_grad_norm: float = Field(gt=0.0)
+    precision: Literal["bf16", "fp16", "fp32"]
+    gradient_checkpointing: bool
+    eval_every: int = PositiveInt
+    save_every: int = PositiveInt
+    keep_last: int = PositiveInt
+    seed: int
+
+
+class EvalConfig(Section):
+    sets: dict[str, str] = Field(min_length=1)
+    context: int = PositiveInt
+    stride: int = PositiveInt
+    batch_size: int = PositiveInt
+    max_new_tokens: int = Field(ge=0)
+    prompts: list[str]
+
+    @model_validator(mode="after")
+    def _window(self) -> EvalConfig:
+        if self.stride > self.context:
+            raise ValueError(f"eval.stride: must be <= eval.context ({self.context}), got {self.stride}")
+        return self
+
+
+class TrackingConfig(Section):
+    uri: str
+    experiment: str
+
+
+class LauncherConfig(Section):
+    ranks_per_node: int = PositiveInt
+    num_nodes: int = PositiveInt
+    hostfile: str | None
+    master_addr: str
+    master_port: int = Field(gt=0, lt=65536)
+    accelerator: Literal["auto", "cpu", "cuda"]
+
+    @model_validator(mode="after")
+    def _nodes(self) -> LauncherConfig:
+        if self.num_nodes > 1 and self.hostfile is None:
+            raise ValueError(f"launcher.hostfile: num_nodes={self.num_nodes} needs a hostfile, got null")
+        return self
+
+
+class Config(Section):
+    seed: int
+    model: ModelConfig
+    corpus: CorpusConfig
+    tokenizer: TokenizerConfig
+    data: DataConfig
+    lora: LoraConfig
+    deepspeed: DeepSpeedConfig
+    train: TrainConfig
+    eval: EvalConfig
+    tracking: TrackingConfig
+    launcher: LauncherConfig
+
+
+def _describe(error: dict, source: str) -> str:
+    key = ".".join(str(p) for p in error["loc"])
+    if error["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{key}'"
+    if error["type"] == "missing":
+        return f"{source}: missing key '{key}'"
+    if error["type"] == "value_error":
+        return f"{source}: {error['msg'].removeprefix('Value error, ')}"
+    expected = error["msg"][0].lower() + error["msg"][1:]
+    return f"{source}: {key}: {expected}, got {error['input']!r}"
+
+
+def validate(raw: dict, source: str = "params.yaml") -> Config:
+    """Check a params mapping against the schema; ValueError names every offending key."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ValueError("\n".join(_describe(e, source) for e in err.errors())) from None
+
+
+def load(path: Path | str = "params.yaml") -> Config:
+    """Read and validate params.yaml."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; run `make params` to compose it from conf/")
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of config groups")
+    return validate(raw, str(path))
+
+
+def compose(config_dir: Path | str = "conf", overrides: list[str] | None = None) -> dict:
+    """Compose conf/ with Hydra overrides into a plain, resolved dict (what DVC writes to params.yaml)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+        cfg = hydra_compose(config_name="config", overrides=overrides or [])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def write_params(path: Path | str = "params.yaml", config_dir: Path | str = "conf", overrides=None) -> None:
+    """Compose conf/ with DVC's own writer, so that params.yaml is byte-identical to `dvc exp run`'s."""
+    from dvc.utils.hydra import compose_and_dump
+
+    from pipeline.atomic import atomic_path
+
+    validate(compose(config_dir, overrides), "conf/")
+    with atomic_path(Path(path)) as tmp:
+        compose_and_dump(tmp, str(Path(config_dir).resolve()), None, "config", ".", overrides or [])
+
+
+if __name__ == "__main__":
+    write_params("params.yaml", "conf", sys.argv[1:])

@@ -1,0 +1,210 @@
+"""Tokenize and pack text (pretraining) or instruction data (SFT, prompt masked) into an Arrow dataset."""
+
+from __future__ import annotations
+
+import hashlib
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+IGNORE_INDEX = -100
+ALPACA_TEMPLATES = {
+    "with_input": (
+        "Below is an instruction that describes a task, paired with an input that provides further context. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    ),
+    "no_input": (
+        "Below is an instruction that describes a task. "
+        "Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Response:\n"
+    ),
+}
+
+
+def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Batched Rust-side encoding (no offsets, no Python per-token work)."""
+    return [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
+def tokenize_documents(tokenizer, documents: list[str]) -> tuple[np.ndarray, int]:
+    """Concatenate every document's tokens (with the tokenizer's BOS where it adds one) plus EOS; returns
+    the flat int32 stream and the document count."""
+    eos = tokenizer.eos_token_id
+    pieces = encode(tokenizer, documents, add_special_tokens=True)
+    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+    flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32, count=int(lengths.sum()))
+    if eos is None:
+        return flat, len(pieces)
+    ends = np.cumsum(lengths)
+    return np.insert(flat, ends, eos).astype(np.int32), len(pieces)
+
+
+def pack_blocks(stream: np.ndarray, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut the token stream into [n, block_size] inputs and labels; the tail is dropped or padded (label -100)."""
+    full = len(stream) // block_size
+    rest = len(stream) - full * block_size
+    inputs = stream[: full * block_size].reshape(full, block_size)
+    labels = inputs.copy()
+    if tail == "pad" and rest:
+        last = np.full(block_size, pad_id, dtype=np.int32)
+        last[:rest] = stream[-rest:]
+        last_labels = np.full(block_size, IGNORE_INDEX, dtype=np.int32)
+        last_labels[:rest] = stream[-rest:]
+        inputs, labels = np.vstack([inputs, last]), np.vstack([labels, last_labels])
+    return inputs, labels
+
+
+def split_indices(n: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train/validation split of n rows; each side keeps the original order."""
+    n_val = 0 if validation_fraction == 0 else max(1, round(n * validation_fraction))
+    if n - n_val < 1:
+        raise ValueError(
+            f"data.validation_fraction: {n} row(s) leave nothing to train on; add data or lower data.block_size"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def alpaca_prompt(row: dict, template: str) -> str:
+    if template == "alpaca":
+        template = ALPACA_TEMPLATES["with_input" if row.get("input") else "no_input"]
+    return template.format(instruction=row["instruction"], input=row.get("input", ""))
+
+
+def alpaca_messages(row: dict) -> list[dict]:
+    user = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
+
+
+def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """Render messages with the chat template as (text, is_assistant_reply) segments."""
+    segments, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise ValueError("the chat template does not render conversations incrementally; use an alpaca template")
+        segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    return segments
+
+
+def sft_segments(tokenizer, row: dict, template: str) -> list[tuple[str, bool]]:
+    """One example as (text, trained) segments: prompts untrained, responses (with EOS) trained."""
+    if "messages" in row:
+        return chat_segments(tokenizer, row["messages"])
+    if template == "chat":
+        return chat_segments(tokenizer, alpaca_messages(row))
+    return [(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)]
+
+
+def build_sft(tokenizer, rows: list[dict], template: str, max_seq_len: int) -> tuple[list, list, dict]:
+    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len."""
+    if template == "chat" and not tokenizer.chat_template:
+        raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
+    bos = tokenizer.bos_token_id
+    bos = [bos] if bos is not None and tokenizer("x").input_ids[:1] == [bos] else []
+    per_row = [sft_segments(tokenizer, row, template) for row in rows]
+    encoded = iter(encode(tokenizer, [text for segs in per_row for text, _ in segs], add_special_tokens=False))
+    inputs, labels, truncated, dropped = [], [], 0, 0
+    for segs in per_row:
+        ids, lab = list(bos), [IGNORE_INDEX] * len(bos)
+        for (_, trained), piece in zip(segs, encoded, strict=False):
+            ids += piece
+            lab += piece if trained else [IGNORE_INDEX] * len(piece)
+        truncated += len(ids) > max_seq_len
+        ids, lab = ids[:max_seq_len], lab[:max_seq_len]
+        if all(label == IGNORE_INDEX for label in lab):
+            dropped += 1
+            continue
+        inputs.append(ids)
+        labels.append(lab)
+    return inputs, labels, {"examples": len(rows), "truncated_examples": truncated, "dropped_examples": dropped}
+
+
+def to_table(inputs, labels) -> pa.Table:
+    """Arrow table with int32 input_ids/labels: fixed-size lists for blocks, variable lists for SFT."""
+    if isinstance(inputs, np.ndarray):
+        width = inputs.shape[1]
+        columns = {
+            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(inputs.ravel(), pa.int32()), width),
+            "labels": pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel(), pa.int32()), width),
+        }
+    else:
+        rows = pa.list_(pa.int32())
+        columns = {"input_ids": pa.array(inputs, rows), "labels": pa.array(labels, rows)}
+    return pa.table(columns)
+
+
+def save_splits(out_dir: Path, tables: dict[str, pa.Table]) -> None:
+    """save_to_disk with content-derived fingerprints, so identical inputs give identical bytes."""
+    from datasets import Dataset, DatasetDict
+    from datasets.table import InMemoryTable
+
+    splits = {}
+    for name, table in tables.items():
+        digest = hashlib.sha256()
+        for column in table.columns:
+            for chunk in column.chunks:
+                for buffer in chunk.buffers():
+                    if buffer is not None:
+                        digest.update(buffer)
+        splits[name] = Dataset(InMemoryTable(table), fingerprint=digest.hexdigest()[:16])
+    DatasetDict(splits).save_to_disk(str(out_dir))
+
+
+def masked_fraction(labels) -> float:
+    """Share of label positions set to -100 (prompt or padding)."""
+    flat = labels.ravel() if isinstance(labels, np.ndarray) else np.fromiter(chain.from_iterable(labels), np.int32)
+    return float((flat == IGNORE_INDEX).mean()) if flat.size else 0.0
+
+
+def build_pretraining(
+    tokenizer, documents: list[str], block_size: int, tail: str, validation_fraction: float, seed: int
+) -> tuple[dict[str, pa.Table], dict]:
+    """Pack documents into train/validation block tables; returns them and their statistics."""
+    stream, n_docs = tokenize_documents(tokenizer, documents)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    inputs, labels = pack_blocks(stream, block_size, tail, pad_id if pad_id is not None else 0)
+    if len(inputs) < 1:
+        raise ValueError(f"data.block_size: {len(stream)} tokens make no block of {block_size}; lower it or add text")
+    train, val = split_indices(len(inputs), validation_fraction, seed)
+    stats = {
+        "documents": n_docs,
+        "tokens": int(len(stream)),
+        "tokens_dropped": int(len(stream) % block_size) if tail == "drop" else 0,
+        "train_rows": int(len(train)),
+        "validation_rows": int(len(val)),
+        "masked_fraction": masked_fraction(labels[train]),
+    }
+    return {"train": to_table(inputs[train], labels[train]), "validation": to_table(inputs[val], labels[val])}, stats
+
+
+def _take(rows: list, indices: np.ndarray) -> list:
+    return [rows[i] for i in indices]
+
+
+def build_instruction(
+    tokenizer, rows: list[dict], template: str, max_seq_len: int, validation_fraction: float, seed: int
+) -> tuple[dict[str, pa.Table], dict]:
+    """Tokenize SFT rows into train/validation tables (prompt tokens masked); returns them and statistics."""
+    inputs, labels, stats = build_sft(tokenizer, rows, template, max_seq_len)
+    if not inputs:
+        raise ValueError(f"data.max_seq_len: every example lost its response to truncation at {max_seq_len} tokens")
+    train, val = split_indices(len(inputs), validation_fraction, seed)
+    stats.update(
+        documents=len(rows),
+        tokens=sum(map(len, inputs)),
+        train_rows=int(len(train)),
+        validation_rows=int(len(val)),
+        masked_fraction=masked_fraction(_take(labels, train)),
+    )
+    return {
+        "train": to_table(_take(inputs, train), _take(labels, train)),
+        "validation": to_table(_take(inputs, val), _take(labels, val)),
+    }, stats

@@ -1,0 +1,58 @@
+"""Strict readers for user-supplied text and JSONL files: errors name the file and the line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_text(path: Path | str) -> str:
+    """Read a non-empty UTF-8 text file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: data file not found")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: invalid UTF-8 (byte offset {err.start}); expected UTF-8 text") from None
+    if not text.strip():
+        raise ValueError(f"{path}: data file is empty")
+    return text
+
+
+def read_documents(path: Path | str) -> list[str]:
+    """One document per non-blank line."""
+    return [line for line in (raw.strip() for raw in read_text(path).splitlines()) if line]
+
+
+def read_jsonl(path: Path | str, required: tuple[str, ...]) -> list[dict]:
+    """Parse JSONL objects, each holding every `required` field."""
+    rows = []
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        missing = [field for field in required if field not in row]
+        if missing:
+            raise ValueError(f"{path}:{number}: missing field(s) {', '.join(repr(m) for m in missing)}")
+        rows.append(row)
+    return rows
+
+
+def read_texts(path: Path | str) -> list[str]:
+    """Plain texts of a data file: lines of a .txt, or every string field of a .jsonl's rows."""
+    if Path(path).suffix != ".jsonl":
+        return read_documents(path)
+    texts = []
+    for row in read_jsonl(path, ()):
+        messages = row.get("messages", [])
+        texts += [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+        texts += [v for v in row.values() if isinstance(v, str) and v]
+    return texts

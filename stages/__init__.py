@@ -1,0 +1,1 @@
+"""Thin entry points of the DVC stages: read params.yaml, call pipeline/, write the declared outputs."""

@@ -1,0 +1,47 @@
+"""Stage cache_dataset: tokenize and pack the training data into an Arrow dataset (train/validation)."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import atomic_path, write_json
+from pipeline.dataset import build_instruction, build_pretraining, save_splits
+from pipeline.textio import read_documents, read_jsonl
+from pipeline.tokenizer import load_tokenizer
+from stages.common import run
+
+REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    d = cfg.data
+    positions = json.loads(args.base_config.read_text(encoding="utf-8"))["max_position_embeddings"]
+    key, length = ("data.block_size", d.block_size) if d.format == "text" else ("data.max_seq_len", d.max_seq_len)
+    if length > positions:
+        raise ValueError(f"{key}: {length} exceeds the model's max_position_embeddings ({positions})")
+    tokenizer = load_tokenizer(args.tokenizer)
+    start = time.perf_counter()
+    if d.format == "text":
+        documents = read_documents(d.train_file)
+        tables, stats = build_pretraining(tokenizer, documents, d.block_size, d.tail, d.validation_fraction, d.seed)
+    else:
+        rows = read_jsonl(d.train_file, REQUIRED_FIELDS[d.format])
+        tables, stats = build_instruction(
+            tokenizer, rows, d.prompt_template, d.max_seq_len, d.validation_fraction, d.seed
+        )
+    seconds = time.perf_counter() - start
+    with atomic_path(args.out) as tmp:
+        save_splits(tmp, tables)
+    write_json(args.metrics, {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()})
+    print(f"cache_dataset: {stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer folder")
+    parser.add_argument("--base-config", type=Path, required=True, help="base model config.json")
+    parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
+    run(main, parser)

@@ -1,0 +1,22 @@
+"""Stage prepare_base: import the base model once into a plain HF safetensors folder."""
+
+import argparse
+from pathlib import Path
+
+from pipeline import assets, config
+from pipeline.base_model import import_base
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    summary = import_base(
+        assets.resolve(cfg.model.path), args.out, args.tokenizer_out, cfg.model.dtype, cfg.model.max_shard_size
+    )
+    print(f"prepare_base: {summary}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="HF model folder to write")
+    parser.add_argument("--tokenizer-out", type=Path, required=True, help="copy of the base tokenizer alone")
+    run(main, parser)

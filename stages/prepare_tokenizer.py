@@ -1,0 +1,50 @@
+"""Stage prepare_tokenizer: extend the base vocabulary with pieces learned on the training text (or pass it
+through), and report vocabulary sizes and tokens per character on held-out text."""
+
+import argparse
+import shutil
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import atomic_path, write_json
+from pipeline.textio import read_texts
+from pipeline.tokenizer import META, load_tokenizer, round_up, tokens_per_char, write_extended
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    t = cfg.tokenizer
+    base = load_tokenizer(args.base)
+    heldout = read_texts(t.heldout_file)
+    with atomic_path(args.out) as tmp:
+        if t.extend:
+            texts, budget = [], t.max_train_chars
+            for text in read_texts(t.train_file):
+                if budget <= 0:
+                    break
+                texts.append(text[:budget])
+                budget -= len(text)
+            added = write_extended(args.base, tmp, texts, t.vocab_size, t.model_type, t.character_coverage)
+        else:
+            shutil.copytree(args.base, tmp)
+            added = 0
+        extended = load_tokenizer(tmp)
+        metrics = {
+            "base_vocab_size": len(base),
+            "vocab_size": len(extended),
+            "added_tokens": added,
+            "padded_vocab_size": round_up(len(extended), t.pad_to_multiple_of),
+            "heldout_tokens_per_char_before": round(tokens_per_char(base, heldout), 6),
+            "heldout_tokens_per_char_after": round(tokens_per_char(extended, heldout), 6),
+        }
+        write_json(tmp / META, {"extended": t.extend, **metrics})
+    write_json(args.metrics, metrics)
+    print(f"prepare_tokenizer: {metrics}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base", type=Path, required=True, help="base tokenizer folder")
+    parser.add_argument("--out", type=Path, required=True, help="tokenizer folder to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
+    run(main, parser)
