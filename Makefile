@@ -40,7 +40,7 @@ format: setup ## apply ruff's fixes and formatting
 params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does)
 	python -m pipeline.config
 
-bench: setup ## benchmarks against the tools users would otherwise use
+bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 

@@ -57,20 +57,34 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_type: str, 
     import sentencepiece as spm
 
     out = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
-        model_writer=out,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=character_coverage,
-        normalization_rule_name="identity",
-        max_sentence_length=1 << 16,
-        split_digits=True,
-        hard_vocab_limit=False,
-        num_threads=2,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_writer=out,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            max_sentence_length=1 << 16,
+            split_digits=True,
+            hard_vocab_limit=False,
+            num_threads=2,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise ValueError(
+            f"tokenizer.vocab_size / tokenizer.character_coverage: SentencePiece refused them: {err}"
+        ) from None
     return out.getvalue()
+
+
+def sentencepiece_type(model: bytes) -> str:
+    """'bpe', 'unigram', 'word' or 'char': the algorithm of a serialized SentencePiece model."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(model)
+    return sp_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
 
 
 def extend_sentencepiece(base: bytes, learned: bytes) -> tuple[bytes, int]:
@@ -80,13 +94,6 @@ def extend_sentencepiece(base: bytes, learned: bytes) -> tuple[bytes, int]:
     base_proto, new_proto = sp_pb2.ModelProto(), sp_pb2.ModelProto()
     base_proto.ParseFromString(base)
     new_proto.ParseFromString(learned)
-    if base_proto.trainer_spec.model_type != new_proto.trainer_spec.model_type:
-        kinds = {sp_pb2.TrainerSpec.BPE: "bpe", sp_pb2.TrainerSpec.UNIGRAM: "unigram"}
-        raise ValueError(
-            f"tokenizer.model_type: the base SentencePiece model is "
-            f"{kinds.get(base_proto.trainer_spec.model_type, 'other')}, expected the same, got "
-            f"{kinds.get(new_proto.trainer_spec.model_type, 'other')}"
-        )
     known = {p.piece for p in base_proto.pieces}
     lowest = min(p.score for p in base_proto.pieces)
     added = 0
@@ -153,8 +160,14 @@ def write_extended(
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, out_dir / name)
     if kind == "sentencepiece":
+        base = (base_dir / SP_MODEL).read_bytes()
+        if sentencepiece_type(base) != model_type:
+            raise ValueError(
+                f"tokenizer.model_type: the base SentencePiece model is {sentencepiece_type(base)}; expected the "
+                f"same, got {model_type!r}"
+            )
         learned = train_sentencepiece(texts, vocab_size, model_type, character_coverage)
-        merged, added = extend_sentencepiece((base_dir / SP_MODEL).read_bytes(), learned)
+        merged, added = extend_sentencepiece(base, learned)
         (out_dir / SP_MODEL).write_bytes(merged)
         (out_dir / "learned_sentencepiece.model").write_bytes(learned)
     else:
