@@ -12,6 +12,7 @@ from pathlib import Path
 from pipeline.assets import package_dir
 
 SENTIMENT_INSTRUCTION = "判断下面这条商品评论的情感倾向，只回答“正面”或“负面”。"
+MAX_REVIEW_CHARS = 120  # reviews longer than this would be truncated at max_seq_len with the base tokenizer
 _TAG = re.compile(r"/[A-Za-z]+$")
 _WIKI_NESTED = [re.compile(r"\{\{[^{}]*\}\}"), re.compile(r"\{\|[^{}]*?\|\}", re.S)]
 _WIKI_DROP = [
@@ -77,7 +78,7 @@ def review_instructions(pos: Path, neg: Path, n_train: int, n_heldout: int, seed
     for path, label in ((pos, "正面"), (neg, "负面")):
         for line in path.read_text(encoding="utf-8").splitlines():
             review = line.strip()
-            if 10 <= len(review) <= 300:
+            if 10 <= len(review) <= MAX_REVIEW_CHARS:
                 rows.append({"instruction": SENTIMENT_INSTRUCTION, "input": review, "output": label})
     random.Random(seed).shuffle(rows)
     return rows[:n_train], rows[n_train : n_train + n_heldout]

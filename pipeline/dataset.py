@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 
@@ -79,9 +80,9 @@ def alpaca_messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
 
 
-def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
-    """Render messages with the chat template as (text, is_assistant_reply) segments."""
-    segments, done = [], ""
+def chat_segments(tokenizer, messages: list[dict]) -> Iterator[tuple[str, bool]]:
+    """Render messages with the chat template, lazily, as (text, is_assistant_reply) segments."""
+    done = ""
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -89,34 +90,37 @@ def chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
         full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             raise ValueError("the chat template does not render conversations incrementally; use an alpaca template")
-        segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        yield prompt[len(done) :], False
+        yield full[len(prompt) :], True
         done = full
-    return segments
 
 
-def sft_segments(tokenizer, row: dict, template: str) -> list[tuple[str, bool]]:
+def sft_segments(tokenizer, row: dict, template: str) -> Iterator[tuple[str, bool]]:
     """One example as (text, trained) segments: prompts untrained, responses (with EOS) trained."""
     if "messages" in row:
         return chat_segments(tokenizer, row["messages"])
     if template == "chat":
         return chat_segments(tokenizer, alpaca_messages(row))
-    return [(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)]
+    return iter([(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)])
 
 
 def build_sft(tokenizer, rows: list[dict], template: str, max_seq_len: int) -> tuple[list, list, dict]:
-    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len."""
+    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len (rendering
+    stops there, so long conversations cost no more than their first max_seq_len tokens)."""
     if template == "chat" and not tokenizer.chat_template:
         raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
     bos = tokenizer.bos_token_id
     bos = [bos] if bos is not None and tokenizer("x").input_ids[:1] == [bos] else []
-    per_row = [sft_segments(tokenizer, row, template) for row in rows]
-    encoded = iter(encode(tokenizer, [text for segs in per_row for text, _ in segs], add_special_tokens=False))
+    backend = tokenizer.backend_tokenizer
     inputs, labels, truncated, dropped = [], [], 0, 0
-    for segs in per_row:
+    for row in rows:
         ids, lab = list(bos), [IGNORE_INDEX] * len(bos)
-        for (_, trained), piece in zip(segs, encoded, strict=False):
+        for text, trained in sft_segments(tokenizer, row, template):
+            piece = backend.encode(text, add_special_tokens=False).ids
             ids += piece
             lab += piece if trained else [IGNORE_INDEX] * len(piece)
+            if len(ids) > max_seq_len:
+                break
         truncated += len(ids) > max_seq_len
         ids, lab = ids[:max_seq_len], lab[:max_seq_len]
         if all(label == IGNORE_INDEX for label in lab):

@@ -42,8 +42,23 @@ def read_jsonl(path: Path | str, required: tuple[str, ...]) -> list[dict]:
         missing = [field for field in required if field not in row]
         if missing:
             raise ValueError(f"{path}:{number}: missing field(s) {', '.join(repr(m) for m in missing)}")
+        if "messages" in required and not _valid_messages(row["messages"]):
+            raise ValueError(
+                f'{path}:{number}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
+            )
         rows.append(row)
     return rows
+
+
+def _valid_messages(messages: object) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
 def read_texts(path: Path | str) -> list[str]:

@@ -166,3 +166,6 @@ def test_jsonl_missing_field_names_file_and_line(tmp_path):
     path.write_text("{not json}\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"sft.jsonl:1: invalid JSON"):
         read_jsonl(path, ("instruction",))
+    path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"sft.jsonl:1: 'messages' must be a non-empty list"):
+        read_jsonl(path, ("messages",))
