@@ -97,6 +97,7 @@ class DeepSpeedConfig(Section):
 
 
 class TrainConfig(Section):
+    global_batch_size: int = PositiveInt
     micro_batch_size: int = PositiveInt
     gradient_accumulation_steps: int = PositiveInt
     max_steps: int = PositiveInt
@@ -107,10 +108,20 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(gt=0.0)
     precision: Literal["bf16", "fp16", "fp32"]
     gradient_checkpointing: bool
+    resize_embeddings: bool
     eval_every: int = PositiveInt
     save_every: int = PositiveInt
     keep_last: int = PositiveInt
+    resume_from: str | None
     seed: int
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainConfig:
+        if self.warmup_steps >= self.max_steps:
+            raise ValueError(
+                f"train.warmup_steps: must be < train.max_steps ({self.max_steps}), got {self.warmup_steps}"
+            )
+        return self
 
 
 class EvalConfig(Section):
@@ -137,6 +148,7 @@ class LauncherConfig(Section):
     ranks_per_node: int = PositiveInt
     num_nodes: int = PositiveInt
     hostfile: str | None
+    node_rank: int = Field(ge=0)
     master_addr: str
     master_port: int = Field(gt=0, lt=65536)
     accelerator: Literal["auto", "cpu", "cuda"]
@@ -145,6 +157,10 @@ class LauncherConfig(Section):
     def _nodes(self) -> LauncherConfig:
         if self.num_nodes > 1 and self.hostfile is None:
             raise ValueError(f"launcher.hostfile: num_nodes={self.num_nodes} needs a hostfile, got null")
+        if self.node_rank >= self.num_nodes:
+            raise ValueError(
+                f"launcher.node_rank: must be < launcher.num_nodes ({self.num_nodes}), got {self.node_rank}"
+            )
         return self
 
 

@@ -1,0 +1,102 @@
+"""Training checkpoints: which one is complete, whether it belongs to this run, and the per-rank RNG state."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pipeline.atomic import atomic_path
+
+LATEST = "latest"
+STATE = "trainer_state.json"
+TAG_PATTERN = re.compile(r"^step_(\d+)$")
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def file_digest(paths: list[Path]) -> str:
+    """sha256 over the bytes of `paths` (files, or every file below a folder, in sorted order)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        for item in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            if item.is_file():
+                digest.update(item.name.encode())
+                digest.update(item.read_bytes())
+    return digest.hexdigest()
+
+
+def fingerprint(inputs: dict[str, str], settings: dict) -> str:
+    """What fixes a training trajectory: input digests and the settings (not the world size or ZeRO stage)."""
+    return hashlib.sha256(json.dumps({"inputs": inputs, "settings": settings}, sort_keys=True).encode()).hexdigest()
+
+
+def latest_tag(checkpoint_dir: Path) -> str | None:
+    """The tag `latest` points at, or None when there is no checkpoint yet."""
+    pointer = checkpoint_dir / LATEST
+    if not pointer.is_file():
+        return None
+    tag = pointer.read_text(encoding="utf-8").strip()
+    if not (checkpoint_dir / tag / STATE).is_file():
+        raise ValueError(f"{pointer}: points at '{tag}', which is not a complete checkpoint ({STATE} missing)")
+    return tag
+
+
+def read_state(checkpoint_dir: Path, tag: str) -> dict:
+    return json.loads((checkpoint_dir / tag / STATE).read_text(encoding="utf-8"))
+
+
+def check_resumable(state: dict, source: Path, identity: dict, world_size: int, zero_stage: int) -> None:
+    """Refuse a checkpoint of another model, or one written under another layout."""
+    differs = {k: (state["identity"].get(k), v) for k, v in identity.items() if state["identity"].get(k) != v}
+    if differs:
+        detail = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differs.items())
+        raise ValueError(f"train.resume_from: {source} is a checkpoint of another model ({detail})")
+    if (state["world_size"], state["zero_stage"]) != (world_size, zero_stage):
+        raise ValueError(
+            f"{source}: written by {state['world_size']} rank(s) under ZeRO-{state['zero_stage']}, this run has "
+            f"{world_size} rank(s) under ZeRO-{zero_stage}; expected the same layout"
+        )
+
+
+def point_latest(checkpoint_dir: Path, tag: str) -> None:
+    """Make `tag` the checkpoint a resume picks (the last write of a save)."""
+    with atomic_path(checkpoint_dir / LATEST) as tmp:
+        tmp.write_text(tag, encoding="utf-8")
+
+
+def prune(checkpoint_dir: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` step_* checkpoints; never the one `latest` names."""
+    current = latest_tag(checkpoint_dir)
+    tags = sorted((p.name for p in checkpoint_dir.iterdir() if TAG_PATTERN.match(p.name)), reverse=True)
+    removed = [t for t in tags[keep:] if t != current]
+    for tag in removed:
+        shutil.rmtree(checkpoint_dir / tag)
+    return removed
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
+    return checkpoint_dir / tag / f"rng_state_rank{rank}.pt"

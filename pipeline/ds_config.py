@@ -1,0 +1,93 @@
+"""The DeepSpeed config, generated from the deepspeed/train choices and checked before anything launches."""
+
+from __future__ import annotations
+
+import os
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def accelerator_name(requested: str) -> str:
+    """'cuda' or 'cpu': what `launcher.accelerator=auto` means on this machine."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_precision(precision: str, accelerator: str) -> None:
+    """Refuse a precision the accelerator cannot train in."""
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    from deepspeed.accelerator import get_accelerator
+
+    supported = {
+        "bf16": bool(get_accelerator().is_bf16_supported()),
+        "fp16": bool(get_accelerator().is_fp16_supported()),
+        "fp32": True,
+    }
+    if not supported[precision]:
+        usable = [p for p in PRECISIONS if supported[p]]
+        raise ValueError(f"train.precision: {precision} is not supported on {accelerator}; expected one of {usable}")
+
+
+def check_batch(train_batch_size: int | None, micro: int, accumulation: int, world_size: int) -> int:
+    """The global batch; a stated one must equal micro x accumulation x world size."""
+    product = micro * accumulation * world_size
+    if train_batch_size is not None and train_batch_size != product:
+        raise ValueError(
+            f"train.global_batch_size: {train_batch_size} != train.micro_batch_size ({micro}) x "
+            f"train.gradient_accumulation_steps ({accumulation}) x world size ({world_size}) = {product}"
+        )
+    return product
+
+
+def build(
+    stage: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+    overlap_comm: bool,
+    contiguous_gradients: bool,
+    precision: str,
+    micro: int,
+    accumulation: int,
+    world_size: int,
+    lr: float,
+    weight_decay: float,
+    max_grad_norm: float,
+    global_batch: int | None = None,
+) -> dict:
+    """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's)."""
+    zero: dict = {"stage": stage}
+    if stage > 0:
+        zero.update(overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients)
+    if stage in (1, 2):
+        # reduce_scatter on: DeepSpeed #8382 skipped the all-reduce on CPU with both of these off.
+        zero.update(reduce_scatter=True)
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False)
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    config = {
+        "train_batch_size": check_batch(global_batch, micro, accumulation, world_size),
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True},
+        },
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
+    if offload_optimizer:
+        del config["optimizer"]["params"]["torch_adam"]  # offload uses DeepSpeedCPUAdam
+    return config

@@ -1,0 +1,249 @@
+"""The DeepSpeed training loop of one rank: resume, step, validate, checkpoint, report."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from pipeline import checkpoint as ckpt
+from pipeline.dataset import IGNORE_INDEX
+from pipeline.schedule import global_batch, lr_factor, micro_batch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the loop needs to know about steps and batches."""
+
+    micro_batch_size: int
+    accumulation: int
+    max_steps: int
+    warmup_steps: int
+    lr_scheduler: str
+    eval_every: int
+    save_every: int
+    keep_last: int
+    seed: int
+
+
+@dataclass
+class History:
+    """Per-step records, carried inside checkpoints so that curves survive a resume."""
+
+    train: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+
+
+def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad variable-length rows (SFT); packed blocks pass through unchanged."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[i, :n] = torch.as_tensor(row["input_ids"])
+        labels[i, :n] = torch.as_tensor(row["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _all_reduce_sum(values: list[float], device) -> list[float]:
+    import deepspeed.comm as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def validate(engine, rows, rank: int, world_size: int, micro: int, pad_id: int) -> tuple[float, int]:
+    """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
+    n = len(rows)
+    per_rank = math.ceil(n / world_size)
+    loss_sum, tokens = 0.0, 0
+    engine.eval()
+    with torch.no_grad():
+        for start in range(0, per_rank, micro):
+            indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
+            real = [i for i in indices if i < n]
+            batch = _to(collate([rows[i] for i in (real or [0])], pad_id), engine.device)
+            loss = engine(**batch).loss.float()
+            count = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if real else 0
+            loss_sum += float(loss) * count
+            tokens += count
+    engine.train()
+    loss_sum, tokens = _all_reduce_sum([loss_sum, float(tokens)], engine.device)
+    return loss_sum / max(tokens, 1.0), int(tokens)
+
+
+def gathered_trainable(engine) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's full fp32 master value (a collective under ZeRO-3: call on all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    state = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            master = safe_get_full_fp32_param(param)  # None without a ZeRO optimizer: the module holds the value
+            state[name] = (param if master is None else master).detach().float().cpu().clone()
+    return state
+
+
+def save_checkpoint(engine, directory: Path, step: int, state: dict, tokenizer_dir: Path, keep_last: int) -> str:
+    """DeepSpeed shards + adapter config + tokenizer + RNG; `latest` moves only when every rank is done."""
+    import deepspeed.comm as dist
+
+    tag, rank = ckpt.tag_for(step), dist.get_rank()
+    if rank == 0 and (directory / tag).exists():
+        shutil.rmtree(directory / tag)  # a save interrupted earlier at this step
+    dist.barrier()
+    engine.save_checkpoint(str(directory), tag=tag, save_latest=False, exclude_frozen_parameters=True)
+    torch.save(ckpt.rng_state(), ckpt.rng_file(directory, tag, rank))
+    dist.barrier()
+    if rank == 0:
+        engine.module.peft_config["default"].save_pretrained(str(directory / tag))
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, directory / tag / name)
+        (directory / tag / ckpt.STATE).write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        ckpt.point_latest(directory, tag)
+        ckpt.prune(directory, keep_last)
+    dist.barrier()
+    return tag
+
+
+def peak_memory_bytes(device) -> int:
+    """Peak memory of this rank: accelerator allocations on a GPU, resident set size on the CPU."""
+    if str(device).startswith("cuda"):
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def train(
+    engine,
+    train_rows,
+    val_rows,
+    schedule: Schedule,
+    directory: Path,
+    tokenizer_dir: Path,
+    pad_id: int,
+    run_state: dict,
+    resume_from: Path | None,
+    log: Callable[[dict, int], None],
+    progress: Callable[[int, dict], None],
+) -> dict:
+    """Run optimizer steps up to schedule.max_steps, resuming from the newest complete checkpoint."""
+    import deepspeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, accumulation = schedule.micro_batch_size, schedule.accumulation
+    global_size = micro * accumulation * world
+    history, start, tokens, train_seconds = History(), 0, 0.0, 0.0
+    source = directory if ckpt.latest_tag(directory) else resume_from
+    if source is not None and (tag := ckpt.latest_tag(source)):
+        engine.load_checkpoint(str(source), tag=tag, load_module_strict=False)
+        ckpt.set_rng_state(torch.load(ckpt.rng_file(source, tag, rank), weights_only=False))
+        saved = ckpt.read_state(source, tag)
+        start, history = saved["step"], History(**saved["history"])
+        tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
+    begin, last_loss = time.perf_counter(), float("nan")
+    for step in range(start, schedule.max_steps):
+        tick = time.perf_counter()
+        batch_rows = global_batch(step, len(train_rows), global_size, schedule.seed)
+        loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
+        for index in range(accumulation):
+            rows = [train_rows[i] for i in micro_batch(batch_rows, rank, world, micro, index)]
+            batch = _to(collate(rows, pad_id), engine.device)
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(loss.detach().float())
+            step_tokens += int(batch["attention_mask"].sum())
+        loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
+        train_seconds += time.perf_counter() - tick
+        tokens += tokens_total
+        last_loss = loss_total / (accumulation * world)
+        record = {"step": step + 1, "loss": last_loss, "lr": lr}
+        history.train.append(record)
+        done = step + 1 == schedule.max_steps
+        if (step + 1) % schedule.eval_every == 0 or done:
+            val_loss, _ = validate(engine, val_rows, rank, world, micro, pad_id)
+            entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+            history.validation.append(entry)
+            record = {**record, **entry}
+        throughput = tokens / max(train_seconds, 1e-9)
+        log({**record, "tokens_per_s": throughput}, step + 1)
+        progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
+        if (step + 1) % schedule.save_every == 0 or done:
+            state = {
+                **run_state,
+                "step": step + 1,
+                "history": history.__dict__,
+                "tokens_seen": tokens,
+                "train_seconds": train_seconds,
+            }
+            save_checkpoint(engine, directory, step + 1, state, tokenizer_dir, schedule.keep_last)
+    final_val = history.validation[-1] if history.validation else {}
+    return {
+        "steps": schedule.max_steps,
+        "resumed_from_step": start,
+        "final_train_loss": history.train[-1]["loss"] if history.train else last_loss,
+        "val_loss": final_val.get("val_loss"),
+        "val_perplexity": final_val.get("val_perplexity"),
+        "tokens_per_s": tokens / max(train_seconds, 1e-9),
+        "train_seconds": train_seconds,
+        "wall_seconds": time.perf_counter() - begin,
+        "history": history.__dict__,
+    }
+
+
+def lr_scheduler_factory(schedule: Schedule) -> Callable:
+    """What deepspeed.initialize calls with its optimizer: a LambdaLR saved and restored with checkpoints."""
+    factor = partial(
+        lr_factor, warmup_steps=schedule.warmup_steps, total_steps=schedule.max_steps, kind=schedule.lr_scheduler
+    )
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
+
+
+def mfu(tokens_per_s: float, n_params: int, model_config, seq_len: int, world: int, device) -> float | None:
+    """Model FLOPs utilisation on a GPU with the LoRA convention: 4N per token (forward, and backward through
+    frozen weights) plus attention, 12 x layers x hidden x sequence; None on the CPU or an unknown GPU."""
+    if not str(device).startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    flops_per_token = 4 * n_params + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
+    return round(tokens_per_s * flops_per_token / (peak * 1e12 * world), 4)
+
+
+def write_curve(path: Path, history: dict) -> None:
+    """One CSV row per step: loss and LR, validation figures where measured (a DVC plot)."""
+    from pipeline.atomic import atomic_path
+
+    validation = {v["step"]: v for v in history["validation"]}
+    lines = ["step,loss,lr,val_loss,val_perplexity"]
+    for row in history["train"]:
+        v = validation.get(row["step"], {})
+        lines.append(
+            f"{row['step']},{row['loss']:.6f},{row['lr']:.6g},{v.get('val_loss', '')},{v.get('val_perplexity', '')}"
+        )
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,0 +1,131 @@
+"""Stage train: check everything that can be checked, then start the DeepSpeed ranks (stages/train_worker.py)."""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline import config
+from pipeline import ds_config as dsc
+from pipeline.atomic import write_json
+from pipeline.checkpoint import check_resumable, file_digest, fingerprint, latest_tag, read_state
+from pipeline.model import check_targets, meta_model
+from pipeline.tokenizer import META
+from stages.common import run
+
+UNTRACKED_TRAIN_KEYS = ("eval_every", "save_every", "keep_last", "resume_from")
+
+
+def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
+    """Embedding rows for training: the tokenizer's padded size, or the model's when resizing is off."""
+    rows = json.loads((base / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    meta = json.loads((tokenizer / META).read_text(encoding="utf-8"))
+    if resize:
+        return max(rows, meta["padded_vocab_size"])
+    if meta["vocab_size"] > rows:
+        raise ValueError(
+            f"train.resize_embeddings: false, but the tokenizer has {meta['vocab_size']} tokens and the model "
+            f"{rows} embedding rows; expected resize_embeddings=true or a tokenizer of at most {rows} tokens"
+        )
+    return rows
+
+
+def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | None, world: int, stage: int) -> None:
+    """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from."""
+    if latest_tag(directory):
+        state = read_state(directory, latest_tag(directory))
+        if state["fingerprint"] != run_state["fingerprint"]:
+            aside = directory.with_name(directory.name + ".previous")
+            shutil.rmtree(aside, ignore_errors=True)
+            directory.rename(aside)
+            print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
+        else:
+            check_resumable(state, directory, run_state["identity"], world, stage)
+            print(f"train: resuming from {directory / latest_tag(directory)}")
+    elif resume_from is not None:
+        tag = latest_tag(resume_from)
+        if tag is None:
+            raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
+        check_resumable(read_state(resume_from, tag), resume_from, run_state["identity"], world, stage)
+    directory.mkdir(parents=True, exist_ok=True)
+
+
+def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
+    command = [
+        "deepspeed", "--num_gpus", str(launcher.ranks_per_node), "--num_nodes", str(launcher.num_nodes),
+        "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port),
+    ]  # fmt: skip
+    if launcher.num_nodes > 1:
+        command += ["--hostfile", str(launcher.hostfile), "--no_ssh", "--node_rank", str(launcher.node_rank)]
+    return command + ["--module", "stages.train_worker", *worker_args]
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    t, ds, launcher, lora = cfg.train, cfg.deepspeed, cfg.launcher, cfg.lora
+    accelerator = dsc.accelerator_name(launcher.accelerator)
+    dsc.check_precision(t.precision, accelerator)
+    world = launcher.ranks_per_node * launcher.num_nodes
+    ds_config = dsc.build(
+        ds.stage, ds.offload_optimizer, ds.offload_param, ds.overlap_comm, ds.contiguous_gradients, t.precision,
+        t.micro_batch_size, t.gradient_accumulation_steps, world, t.lr, t.weight_decay, t.max_grad_norm,
+        t.global_batch_size,
+    )  # fmt: skip
+    check_targets(meta_model(args.base), lora.target_modules, lora.modules_to_save)
+    identity = {
+        "base_config": file_digest([args.base / "config.json"]),
+        "vocab_rows": vocab_rows(args.base, args.tokenizer, t.resize_embeddings),
+        "lora_r": lora.r,
+        "target_modules": sorted(lora.target_modules),
+        "modules_to_save": sorted(lora.modules_to_save),
+    }
+    settings = {
+        "lora": lora.model_dump(),
+        "train": {k: v for k, v in t.model_dump().items() if k not in UNTRACKED_TRAIN_KEYS},
+    }
+    inputs = {name: file_digest([path]) for name, path in (("tokenizer", args.tokenizer), ("dataset", args.dataset))}
+    run_state = {
+        "fingerprint": fingerprint({**inputs, **identity}, settings),
+        "identity": identity,
+        "world_size": world,
+        "zero_stage": ds.stage,
+    }
+    resume_from = Path(t.resume_from) if t.resume_from else None
+    prepare_checkpoints(args.checkpoints, run_state, resume_from, world, ds.stage)
+    if latest_tag(args.checkpoints) is None:
+        args.run_id_file.unlink(missing_ok=True)  # a fresh training is a fresh MLflow run
+    write_json(args.checkpoints / "run.json", run_state)
+    write_json(args.checkpoints / "ds_config.json", ds_config)
+
+    worker_args = ["--params", args.params]
+    for name in ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state"):
+        if getattr(args, name) is not None:
+            worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if resume_from is not None:
+        worker_args += ["--resume-from", str(resume_from)]
+    env = {**os.environ, "DS_ACCELERATOR": accelerator}
+    done = subprocess.run(launch_command(launcher, worker_args), env=env)
+    if done.returncode != 0:
+        print(
+            f"error: train: the DeepSpeed ranks failed (exit {done.returncode}); see their output above",
+            file=sys.stderr,
+        )
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    for name, meaning in (
+        ("base", "prepared base model folder"),
+        ("tokenizer", "prepared tokenizer folder"),
+        ("dataset", "cached dataset folder"),
+        ("checkpoints", "DeepSpeed checkpoint folder (kept across runs: resume)"),
+        ("metrics", "training metrics JSON to write"),
+        ("curve", "per-step CSV to write (a DVC plot)"),
+        ("run-id-file", "where the MLflow run id is kept for later stages"),
+    ):
+        parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
+    parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
+    run(main, parser)
