@@ -110,6 +110,7 @@ class TrainConfig(Section):
     gradient_checkpointing: bool
     resize_embeddings: bool
     eval_every: int = PositiveInt
+    eval_max_rows: int = Field(ge=0)
     save_every: int = PositiveInt
     keep_last: int = PositiveInt
     resume_from: str | None

@@ -31,6 +31,7 @@ class Schedule:
     warmup_steps: int
     lr_scheduler: str
     eval_every: int
+    eval_max_rows: int
     save_every: int
     keep_last: int
     seed: int
@@ -180,7 +181,8 @@ def train(
         history.train.append(record)
         done = step + 1 == schedule.max_steps
         if (step + 1) % schedule.eval_every == 0 or done:
-            val_loss, _ = validate(engine, val_rows, rank, world, micro, pad_id)
+            subset = val_rows.select(range(min(len(val_rows), schedule.eval_max_rows or len(val_rows))))
+            val_loss, _ = validate(engine, subset, rank, world, micro, pad_id)
             entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
             history.validation.append(entry)
             record = {**record, **entry}

@@ -16,7 +16,7 @@ from pipeline.model import check_targets, meta_model
 from pipeline.tokenizer import META
 from stages.common import run
 
-UNTRACKED_TRAIN_KEYS = ("eval_every", "save_every", "keep_last", "resume_from")
+UNTRACKED_TRAIN_KEYS = ("eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from")
 
 
 def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
@@ -106,6 +106,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     if resume_from is not None:
         worker_args += ["--resume-from", str(resume_from)]
     env = {**os.environ, "DS_ACCELERATOR": accelerator}
+    if accelerator == "cpu":  # one thread per core and rank: the default (all cores per rank) oversubscribes
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launcher.ranks_per_node)))
     done = subprocess.run(launch_command(launcher, worker_args), env=env)
     if done.returncode != 0:
         print(

@@ -34,7 +34,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     trainable, total = count_parameters(model)
     schedule = trainer.Schedule(
         t.micro_batch_size, t.gradient_accumulation_steps, t.max_steps, t.warmup_steps, t.lr_scheduler,
-        t.eval_every, t.save_every, t.keep_last, t.seed,
+        t.eval_every, t.eval_max_rows, t.save_every, t.keep_last, t.seed,
     )  # fmt: skip
     engine, *_ = deepspeed.initialize(
         model=model,
