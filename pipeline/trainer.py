@@ -45,18 +45,18 @@ class History:
     validation: list[dict] = field(default_factory=list)
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad variable-length rows (SFT); packed blocks pass through unchanged."""
+def collate(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad variable-length rows (SFT); packed blocks pass through unchanged. No attention mask: with right
+    padding a causal model never lets a real token see a pad, and without a mask SDPA takes its causal kernel
+    instead of materialising the mask (less memory, faster)."""
     width = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row["input_ids"])
         ids[i, :n] = torch.as_tensor(row["input_ids"])
         labels[i, :n] = torch.as_tensor(row["labels"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    return {"input_ids": ids, "labels": labels}
 
 
 def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -172,7 +172,7 @@ def train(
             engine.backward(loss)
             engine.step()
             loss_sum += float(loss.detach().float())
-            step_tokens += int(batch["attention_mask"].sum())
+            step_tokens += sum(len(row["input_ids"]) for row in rows)
         loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
         train_seconds += time.perf_counter() - tick
         tokens += tokens_total

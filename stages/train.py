@@ -13,7 +13,7 @@ from pipeline import ds_config as dsc
 from pipeline.atomic import write_json
 from pipeline.checkpoint import check_resumable, file_digest, fingerprint, latest_tag, read_state
 from pipeline.model import check_targets, meta_model
-from pipeline.tokenizer import META
+from pipeline.tokenizer import META, load_tokenizer
 from stages.common import run
 
 UNTRACKED_TRAIN_KEYS = ("eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from")
@@ -96,7 +96,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     prepare_checkpoints(args.checkpoints, run_state, resume_from, world, ds.stage)
     if latest_tag(args.checkpoints) is None:
         args.run_id_file.unlink(missing_ok=True)  # a fresh training is a fresh MLflow run
-    write_json(args.checkpoints / "run.json", run_state)
+    tokenizer = load_tokenizer(args.tokenizer)  # the ranks only need its pad id: they skip loading it
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    write_json(args.checkpoints / "run.json", {**run_state, "pad_token_id": pad or 0})
     write_json(args.checkpoints / "ds_config.json", ds_config)
 
     worker_args = ["--params", args.params]

@@ -19,7 +19,6 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     from pipeline import trainer
     from pipeline.atomic import atomic_path, write_json
     from pipeline.model import count_parameters, load_lora_model, parameter_groups
-    from pipeline.tokenizer import load_tokenizer
     from pipeline.tracking import flatten, open_run, runtime_tags
 
     deepspeed.init_distributed()
@@ -43,8 +42,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         lr_scheduler=trainer.lr_scheduler_factory(schedule),
     )
     data = load_from_disk(str(args.dataset)).with_format("numpy")
-    tokenizer = load_tokenizer(args.tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = run_state["pad_token_id"]
 
     tracker = bar = None
     if rank == 0:
@@ -69,7 +67,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         engine, data["train"], data["validation"], schedule, args.checkpoints, args.tokenizer, pad_id, run_state,
         args.resume_from, log, progress,
     )  # fmt: skip
-    final_state = trainer.gathered_trainable(engine)
+    final_state = trainer.gathered_trainable(engine) if args.final_state is not None else None
     peak = torch.tensor(float(trainer.peak_memory_bytes(engine.device)), device=engine.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank != 0:
