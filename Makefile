@@ -43,6 +43,7 @@ params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does)
 bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
+	python -m bench.train
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

@@ -40,8 +40,9 @@ def main() -> None:
     training_args = TrainingArguments(
         output_dir=str(args.out / "trainer"), deepspeed=str(args.ds_config), per_device_train_batch_size=1,
         gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=2e-4,
-        lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="steps", save_steps=args.steps, eval_strategy="no",
-        report_to=[], seed=42, disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo", use_cpu=True,
+        lr_scheduler_type="cosine", warmup_steps=2, logging_steps=1, save_strategy="steps", save_steps=args.steps,
+        eval_strategy="no", report_to=[], seed=42, disable_tqdm=True, dataloader_num_workers=0, ddp_backend="gloo",
+        use_cpu=True,
     )  # fmt: skip
     trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], data_collator=default_data_collator)
     start = time.perf_counter()

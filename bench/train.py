@@ -1,7 +1,6 @@
-"""Training throughput and peak memory of our train stage against HF Trainer + DeepSpeed + PEFT (bench/
-hf_trainer_clm.py), same model, dataset, world size (2 CPU ranks), ZeRO-2, fp32 and steps, both saving a checkpoint at the end,
-in one run. Needs
-`make run` first (uses artifacts/base, artifacts/tokenizer, artifacts/dataset)."""
+"""Training throughput and peak memory of our train stage against HF Trainer + DeepSpeed + PEFT
+(bench/hf_trainer_clm.py): same model, dataset, world size (2 CPU ranks), ZeRO-2, fp32 and steps, both saving a
+checkpoint at the end, in one run. Needs `make run` first (uses artifacts/base, tokenizer and dataset)."""
 
 from __future__ import annotations
 

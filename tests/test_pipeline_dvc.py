@@ -1,4 +1,5 @@
-"""Real DVC over the real stages, on a tiny model and corpus in a temporary copy of the repository."""
+"""Real DVC over the real data stages, on a tiny model and corpus in a temporary copy of the repository (the train
+stage has its own tests, tests/test_train.py; `make run` runs the whole graph)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import yaml
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
-STAGES = {"prepare_base", "prepare_corpus", "prepare_tokenizer", "cache_dataset"}
+EXP_RUN = ["dvc", "exp", "run", "cache_dataset", "-S", "experiment=ci_tiny"]
+STAGES = {"prepare_base", "prepare_tokenizer", "cache_dataset"}  # upstream of cache_dataset in ci_tiny
 
 
 def _sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -57,7 +59,7 @@ def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
 
 
 def test_exp_run_composes_conf_and_reruns_only_dependent_stages(repo):
-    first = _sh(["dvc", "exp", "run", "-S", "experiment=ci_tiny"], repo)
+    first = _sh([*EXP_RUN], repo)
     assert _ran(first) == STAGES
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["data"]["train_file"] == params["tokenizer"]["train_file"] == "data/tiny/train.txt"
@@ -71,17 +73,17 @@ def test_exp_run_composes_conf_and_reruns_only_dependent_stages(repo):
     assert len(dataset["train"][0]["input_ids"]) == 64
     assert max(max(row) for row in dataset["train"]["input_ids"]) >= 49152, "extended ids are used"
 
-    second = _sh(["dvc", "exp", "run", "-S", "experiment=ci_tiny", "-S", "tokenizer.vocab_size=700"], repo)
+    second = _sh([*EXP_RUN, "-S", "tokenizer.vocab_size=700"], repo)
     assert _ran(second) == {"prepare_tokenizer", "cache_dataset"}
     assert yaml.safe_load((repo / "params.yaml").read_text())["tokenizer"]["vocab_size"] == 700
 
-    third = _sh(["dvc", "repro"], repo)
+    third = _sh(["dvc", "repro", "cache_dataset"], repo)
     assert _ran(third) == set()
     assert "Data and pipelines are up to date" in third.stdout
 
 
 def test_block_size_above_model_positions_fails_cleanly(repo):
-    done = _sh(["dvc", "exp", "run", "-S", "experiment=ci_tiny", "-S", "data.block_size=1024"], repo, check=False)
+    done = _sh([*EXP_RUN, "-S", "data.block_size=1024"], repo, check=False)
     assert done.returncode != 0
     assert "data.block_size: 1024 exceeds the model's max_position_embeddings (256)" in done.stderr
     assert "Traceback" not in done.stderr
@@ -90,6 +92,6 @@ def test_block_size_above_model_positions_fails_cleanly(repo):
 
 
 def test_unknown_override_is_refused(repo):
-    done = _sh(["dvc", "exp", "run", "-S", "experiment=ci_tiny", "-S", "lora.rank=8"], repo, check=False)
+    done = _sh([*EXP_RUN, "-S", "lora.rank=8"], repo, check=False)
     assert done.returncode != 0
     assert "lora.rank" in done.stdout + done.stderr
