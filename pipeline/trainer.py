@@ -161,6 +161,7 @@ def train(
         start, history = saved["step"], History(**saved["history"])
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
     begin, last_loss = time.perf_counter(), float("nan")
+    engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     for step in range(start, schedule.max_steps):
         tick = time.perf_counter()
         batch_rows = global_batch(step, len(train_rows), global_size, schedule.seed)
