@@ -17,8 +17,9 @@ import torch
 from pipeline import checkpoint as ckpt
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.schedule import global_batch, lr_factor, micro_batch
+from pipeline.tokenizer import CONFIG_FILES, HF_TOKENIZER, SP_MODEL
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)
 
 
 @dataclass(frozen=True)

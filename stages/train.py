@@ -35,8 +35,8 @@ def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
 
 def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | None, world: int, stage: int) -> None:
     """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from."""
-    if latest_tag(directory):
-        state = read_state(directory, latest_tag(directory))
+    if tag := latest_tag(directory):
+        state = read_state(directory, tag)
         if state["fingerprint"] != run_state["fingerprint"]:
             aside = directory.with_name(directory.name + ".previous")
             shutil.rmtree(aside, ignore_errors=True)
@@ -44,7 +44,7 @@ def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | No
             print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
         else:
             check_resumable(state, directory, run_state["identity"], world, stage)
-            print(f"train: resuming from {directory / latest_tag(directory)}")
+            print(f"train: resuming from {directory / tag}")
     elif resume_from is not None:
         tag = latest_tag(resume_from)
         if tag is None:
