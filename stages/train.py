@@ -110,6 +110,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     env = {**os.environ, "DS_ACCELERATOR": accelerator}
     if accelerator == "cpu":  # one thread per core and rank: the default (all cores per rank) oversubscribes
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launcher.ranks_per_node)))
+        # A fixed mmap threshold: glibc otherwise raises it as tensors are freed, keeps activation-sized blocks in
+        # its heap and never returns them (bench.train: peak RSS per rank 3.93 GB -> 3.05 GB).
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     done = subprocess.run(launch_command(launcher, worker_args), env=env)
     if done.returncode != 0:
         print(
