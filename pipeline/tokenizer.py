@@ -12,6 +12,7 @@ SP_MODEL = "tokenizer.model"
 HF_TOKENIZER = "tokenizer.json"
 META = "pipeline_tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)  # what travels with checkpoints and adapters
 
 
 def load_tokenizer(path: Path, gguf_file: str | None = None):

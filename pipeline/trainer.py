@@ -17,9 +17,7 @@ import torch
 from pipeline import checkpoint as ckpt
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.schedule import global_batch, lr_factor, micro_batch
-from pipeline.tokenizer import CONFIG_FILES, HF_TOKENIZER, SP_MODEL
-
-TOKENIZER_FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)
+from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
 from pipeline import config
+from pipeline.cli import guarded
 
 
 def run(main: Callable[[argparse.Namespace, config.Config], None], parser: argparse.ArgumentParser) -> None:
     """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2."""
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     args = parser.parse_args()
-    try:
-        main(args, config.load(args.params))
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    guarded(lambda: main(args, config.load(args.params)))

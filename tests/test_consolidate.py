@@ -1,0 +1,173 @@
+"""Consolidation of real DeepSpeed checkpoints (ZeRO 0-3 x fp32/bf16 x 1/2 ranks) into PEFT adapters, checked
+tensor by tensor against the live engines, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, consolidate
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+VOCAB_ROWS = 49216  # the tiny base's 49,152 rows, extended
+CONFIGS = [f"{stage}:{precision}" for stage in range(4) for precision in ("fp32", "bf16")]
+CASES = [(stage, precision, ranks) for stage in range(4) for precision in ("fp32", "bf16") for ranks in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def untied_base_dir(tmp_path_factory, tiny_base_dir) -> Path:
+    """The tiny base with its own lm_head (so that lm_head is a modules_to_save copy of its own)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    out = tmp_path_factory.mktemp("untied_base")
+    model.save_pretrained(str(out))
+    return out
+
+
+def _launch(base: Path, out: Path, ranks: int) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), "--module", "tests.zero_worker",
+        "--base", str(base), "--out", str(out), "--vocab-rows", str(VOCAB_ROWS), "--configs", *CONFIGS,
+    ]  # fmt: skip
+    env = {
+        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_base_dir, untied_base_dir) -> Path:
+    """Two launches: 2 ranks on the tied base, 1 rank on the untied one; every stage x precision in each."""
+    root = tmp_path_factory.mktemp("zero_checkpoints")
+    _launch(tiny_base_dir, root, 2)
+    _launch(untied_base_dir, root, 1)
+    return root
+
+
+def _peft_model(base: Path, adapter: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.resize_token_embeddings(VOCAB_ROWS, mean_resizing=False)
+    return PeftModel.from_pretrained(model, str(adapter))
+
+
+@pytest.mark.parametrize(("stage", "precision", "ranks"), CASES)
+def test_consolidated_adapter_equals_the_live_engine(
+    checkpoints, tiny_base_dir, untied_base_dir, tmp_path, stage, precision, ranks
+):
+    source = checkpoints / f"zero{stage}_{precision}_ranks{ranks}"
+    manifest = consolidate(source, tmp_path / "adapter", None, None)
+    assert manifest["source"] | {"checkpoint": None} == {
+        "tag": "step_000002", "zero_stage": stage, "world_size": ranks, "ds_version": manifest["source"]["ds_version"],
+        "step": 2, "checkpoint": None, "consolidated_by_deepspeed": manifest["source"]["consolidated_by_deepspeed"],
+    }  # fmt: skip
+    model = _peft_model(tiny_base_dir if ranks == 2 else untied_base_dir, tmp_path / "adapter")
+    loaded = dict(model.named_parameters(remove_duplicate=False))
+    live = load_file(source / "final.safetensors")
+    assert any("lora_A" in k for k in live) and any("modules_to_save" in k for k in live)
+    for name, expected in live.items():
+        if precision == "bf16":  # ZeRO-0 gathers the bf16 module; the others its fp32 masters
+            assert torch.equal(loaded[name].to(torch.bfloat16), expected.to(torch.bfloat16)), name
+        else:
+            assert torch.equal(loaded[name], expected), name
+    embed = model.base_model.model.model.embed_tokens.modules_to_save["default"].weight
+    lm_head = model.base_model.model.lm_head.modules_to_save["default"].weight
+    assert (embed.data_ptr() == lm_head.data_ptr()) == (ranks == 2), "tied exactly when the base is tied"
+    written = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    assert set(written) == set(manifest["tensors"])
+    from pipeline.consolidate import _sha256
+
+    assert all(_sha256(t) == manifest["tensors"][k]["sha256"] for k, t in written.items())
+
+
+def test_dtype_option_casts_the_masters(checkpoints, tmp_path):
+    source = checkpoints / "zero3_fp32_ranks2"
+    consolidate(source, tmp_path / "bf16", None, None, "bf16")
+    written, live = load_file(tmp_path / "bf16" / ADAPTER_WEIGHTS), load_file(source / "final.safetensors")
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    key = next(k for k in live if "lora_B" in k)
+    assert torch.equal(written[key.replace(".default.", ".")], live[key].to(torch.bfloat16))
+
+
+def _copy(checkpoints: Path, name: str, tmp_path: Path) -> tuple[Path, Path]:
+    out = tmp_path / name
+    shutil.copytree(checkpoints / name, out)
+    return out, out / "step_000002"
+
+
+def _truncate(tag: Path) -> str:
+    path = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return f"{path}: cannot be read as a DeepSpeed shard (truncated or corrupted?)"
+
+
+def _drop_rank(tag: Path) -> str:
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    return "world size 2 but optimizer shards for ranks [0]; missing ranks [1]"
+
+
+def _mix_runs(tag: Path) -> str:
+    other = tag.parents[1] / "zero2_fp32_ranks1" / "step_000002" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shutil.copy(other, tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    return "files of different saves mixed under one tag (partition_count: "
+
+
+def _nan(tag: Path) -> str:
+    path = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(path, weights_only=False)
+    with torch.no_grad():
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][3] = float("nan")
+    torch.save(state, path)
+    return "holds NaN or Inf"
+
+
+def _no_latest(tag: Path) -> str:
+    (tag.parent / "latest").unlink()
+    return "latest: missing; pass --tag (tags here: ['step_000002'])"
+
+
+def _no_adapter_config(tag: Path) -> str:
+    (tag / ADAPTER_CONFIG).unlink()
+    return "no LoRA adapter config; pass --adapter-config FILE"
+
+
+@pytest.mark.parametrize("damage", [_truncate, _drop_rank, _mix_runs, _nan, _no_latest, _no_adapter_config])
+def test_bad_checkpoint_is_refused_and_nothing_written(checkpoints, tmp_path, damage):
+    shutil.copytree(checkpoints / "zero2_fp32_ranks1", tmp_path / "zero2_fp32_ranks1")
+    root, tag = _copy(checkpoints, "zero2_fp32_ranks2", tmp_path)
+    message = damage(tag)
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        consolidate(root, tmp_path / "adapter", None, None)
+    assert message in str(err.value)
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_cli_unknown_tag_exits_2_and_writes_nothing(checkpoints, tmp_path):
+    out = tmp_path / "adapter"
+    command = [sys.executable, "-m", "pipeline", "consolidate", str(checkpoints / "zero1_fp32_ranks2"), str(out)]
+    done = subprocess.run([*command, "--tag", "step_000009"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "tag 'step_000009' is not a checkpoint here (tags: ['step_000002'])" in done.stderr
+    assert "Traceback" not in done.stderr and not out.exists()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / MANIFEST).read_text())["source"]["zero_stage"] == 1
