@@ -44,6 +44,8 @@ bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 	python -m bench.train
+	python -m bench.consolidate
+	python -m bench.merge
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

@@ -28,3 +28,22 @@ def report(name: str, figures: dict) -> None:
     print(f"== {name}")
     for key, value in figures.items():
         print(f"  {key:32s} {value}")
+
+
+_PEAK = (
+    "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
+)
+
+
+def run_measured(command: list[str]) -> tuple[float, float]:
+    """(wall seconds, peak resident MB) of `command` run alone in a fresh wrapper process."""
+    import subprocess
+    import sys
+
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _PEAK, *command], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    return seconds, int(done.stdout.strip().splitlines()[-1]) / 1024

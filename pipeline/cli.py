@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,16 @@ def _consolidate(args: argparse.Namespace) -> None:
     )
 
 
+def _merge(args: argparse.Namespace) -> None:
+    from pipeline.merge import merge
+
+    report = merge(
+        args.base, args.adapter, args.out, args.dtype, args.max_shard_size, not args.no_verify, args.max_abs_diff,
+        args.max_kl,
+    )  # fmt: skip
+    print(f"merge: {json.dumps(report, sort_keys=True)}")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
@@ -38,6 +49,16 @@ def parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--adapter-config", type=Path, help="adapter_config.json (default: the checkpoint's)")
     consolidate.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
     consolidate.set_defaults(handler=_consolidate)
+    merge = commands.add_parser("merge", help="fold a LoRA adapter into its base and verify the logits")
+    merge.add_argument("--base", type=Path, required=True, help="base HF model folder")
+    merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter folder")
+    merge.add_argument("--out", type=Path, required=True, help="merged HF model folder to write")
+    merge.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
+    merge.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
+    merge.add_argument("--no-verify", action="store_true", help="skip the base + adapter vs merged logits check")
+    merge.add_argument("--max-abs-diff", type=float, help="largest |logit difference| accepted (per-dtype default)")
+    merge.add_argument("--max-kl", type=float, help="largest mean KL divergence accepted (per-dtype default)")
+    merge.set_defaults(handler=_merge)
     return top
 
 

@@ -140,6 +140,14 @@ class EvalConfig(Section):
         return self
 
 
+class MergeConfig(Section):
+    dtype: Literal["fp32", "bf16", "fp16"]
+    max_shard_size: str = Field(pattern=r"^\d+(\.\d+)?\s*([KMGkmg][Ii]?[Bb]|[Bb])$")
+    verify: bool
+    max_abs_logit_diff: float | None = Field(gt=0)
+    max_kl: float | None = Field(gt=0)
+
+
 class TrackingConfig(Section):
     uri: str
     experiment: str
@@ -174,6 +182,7 @@ class Config(Section):
     lora: LoraConfig
     deepspeed: DeepSpeedConfig
     train: TrainConfig
+    merge: MergeConfig
     eval: EvalConfig
     tracking: TrackingConfig
     launcher: LauncherConfig

@@ -286,7 +286,8 @@ def consolidate(
     checkpoint_dir: Path, output_dir: Path, tag: str | None, adapter_config: Path | None, dtype: str = "fp32"
 ) -> dict:
     """Write OUTPUT_DIR as a PEFT adapter folder (+ manifest); nothing is written unless every check passes."""
-    import deepspeed
+    from importlib.metadata import version
+
     from safetensors.torch import save_file
 
     tag = resolve_tag(checkpoint_dir, tag)
@@ -303,7 +304,7 @@ def consolidate(
         "source": {
             **source.__dict__,
             "checkpoint": str(checkpoint_dir),
-            "consolidated_by_deepspeed": deepspeed.__version__,
+            "consolidated_by_deepspeed": version("deepspeed"),
         },
         "dtype": dtype,
         "elements": sum(t.numel() for t in tensors.values()),

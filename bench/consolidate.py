@@ -1,0 +1,57 @@
+"""consolidate against what users run today: DeepSpeed's zero_to_fp32.py --exclude_frozen_parameters, then a
+script renaming the keys to PEFT's (drop the adapter name and `modules_to_save.`), on the train stage's 2-rank
+checkpoint of the default model, in one run: wall time and peak memory ratios (targets: at most 0.7x each).
+Needs `make run` first."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import report, run_measured
+
+CHECKPOINTS = Path("artifacts/checkpoints")
+
+
+def rename_to_peft(state_dir: Path, out: Path) -> None:
+    """The hand-written step: zero_to_fp32's PEFT-internal names -> adapter_model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(state_dir / "model.safetensors")
+    renamed = {k.replace("modules_to_save.default.", "").replace(".default.", "."): v for k, v in state.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(renamed, str(out / "adapter_model.safetensors"))
+
+
+def main() -> None:
+    import deepspeed.utils.zero_to_fp32 as stock
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        convert = [sys.executable, stock.__file__, str(CHECKPOINTS), str(work / "fp32"), "--exclude_frozen_parameters"]
+        seconds_convert, peak_convert = run_measured([*convert, "--safe_serialization"])
+        rename = [sys.executable, "-m", "bench.consolidate", "rename", str(work / "fp32"), str(work / "renamed")]
+        seconds_rename, peak_rename = run_measured(rename)
+        ours = [sys.executable, "-m", "pipeline", "consolidate", str(CHECKPOINTS), str(work / "ours")]
+        seconds_ours, peak_ours = run_measured(ours)
+    reference_seconds, reference_peak = seconds_convert + seconds_rename, max(peak_convert, peak_rename)
+    report(
+        "consolidate",
+        {
+            "reference_seconds": round(reference_seconds, 2),
+            "ours_seconds": round(seconds_ours, 2),
+            "time_ratio": round(seconds_ours / reference_seconds, 3),
+            "reference_peak_memory_mb": round(reference_peak, 1),
+            "ours_peak_memory_mb": round(peak_ours, 1),
+            "memory_ratio": round(peak_ours / reference_peak, 3),
+            "target_ratio": 0.7,
+        },
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["rename"]:
+        rename_to_peft(Path(sys.argv[2]), Path(sys.argv[3]))
+    else:
+        main()

@@ -1,0 +1,95 @@
+"""merge against what users run today: PeftModel.from_pretrained(base, adapter).merge_and_unload()
+.save_pretrained(out) (after resizing the base to the adapter's vocabulary), on the default model and adapter, in
+one run: wall time and peak memory ratios (targets: at most 1.0x time, 0.5x memory). Ours is timed without and
+with its logits verification (the reference verifies nothing). `--large` also merges a random 1.1B-parameter
+LLaMA stored in 500 MB shards, to show the streaming bound. Needs `make run` first."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.common import report, run_measured
+
+BASE, ADAPTER = Path("artifacts/base"), Path("artifacts/adapter")
+
+
+def peft_merge(base: Path, adapter: Path, out: Path) -> None:
+    """The reference, as users write it."""
+    import torch
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        rows = f.get_slice("base_model.model.model.embed_tokens.weight").get_shape()[0]
+    model.resize_token_embeddings(rows)
+    PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().save_pretrained(str(out))
+
+
+def large_base(out: Path) -> None:
+    """A random LLaMA of 1.1B parameters (TinyLlama's shape), fp32, 500 MB shards, plus a LoRA adapter."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        num_key_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    for param in model.parameters():
+        param.data.normal_(0, 0.02)
+    model.save_pretrained(str(out / "base"), max_shard_size="500MB")
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    get_peft_model(model, lora).save_pretrained(str(out / "adapter"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / "base" / name).write_bytes((BASE / name).read_bytes())
+
+
+def _ours(base: Path, adapter: Path, out: Path, verify: bool, shard: str = "2GB") -> list[str]:
+    flags = [] if verify else ["--no-verify"]
+    command = ["-m", "pipeline", "merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out)]
+    return [sys.executable, *command, "--max-shard-size", shard, *flags]
+
+
+def main(large: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        reference = [sys.executable, "-m", "bench.merge", "reference", str(BASE), str(ADAPTER), str(work / "peft")]
+        ref_seconds, ref_peak = run_measured(reference)
+        seconds, peak = run_measured(_ours(BASE, ADAPTER, work / "ours", verify=False))
+        verified_seconds, verified_peak = run_measured(_ours(BASE, ADAPTER, work / "verified", verify=True))
+        figures = {
+            "reference_seconds": round(ref_seconds, 2), "ours_seconds": round(seconds, 2),
+            "time_ratio": round(seconds / ref_seconds, 3), "target_time_ratio": 1.0,
+            "reference_peak_memory_mb": round(ref_peak, 1), "ours_peak_memory_mb": round(peak, 1),
+            "memory_ratio": round(peak / ref_peak, 3), "target_memory_ratio": 0.5,
+            "ours_verified_seconds": round(verified_seconds, 2),
+            "ours_verified_peak_memory_mb": round(verified_peak, 1),
+        }  # fmt: skip
+        if large:
+            run_measured([sys.executable, "-m", "bench.merge", "make-large", str(work / "large")])
+            base = work / "large" / "base"
+            shard = max(p.stat().st_size for p in base.glob("*.safetensors"))
+            seconds, peak = run_measured(_ours(base, work / "large" / "adapter", work / "merged", False, "500MB"))
+            params = json.loads((base / "model.safetensors.index.json").read_text())["metadata"]["total_size"] / 4
+            figures.update(
+                large_parameters=int(params), large_largest_shard_mb=round(shard / 2**20, 1),
+                large_seconds=round(seconds, 2), large_peak_memory_mb=round(peak, 1),
+            )  # fmt: skip
+    report("merge", figures)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["reference"]:
+        peft_merge(*map(Path, sys.argv[2:5]))
+    elif sys.argv[1:2] == ["make-large"]:
+        large_base(Path(sys.argv[2]))
+    else:
+        main("--large" in sys.argv)

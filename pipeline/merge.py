@@ -1,0 +1,321 @@
+"""Fold a LoRA adapter into its base, one base shard at a time, and prove the result computes what base + adapter
+computed.
+
+W' = W + scale * (B @ A) in fp32 (scale = alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern/alpha_pattern
+honoured; transposed for fan_in_fan_out), then cast. modules_to_save tensors replace the base's. A tied base stays
+tied when input and output embeddings end up equal, and is untied (with a note) when only one side changed."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_path
+from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPES
+from pipeline.tokenizer import FILES as TOKENIZER_FILES
+
+PREFIX = "base_model.model."
+REPORT = "merge_report.json"
+INDEX = "model.safetensors.index.json"
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+@dataclass
+class Plan:
+    """What happens to each base tensor, decided (and checked) before anything is written."""
+
+    deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=dict)  # A, B, scale, T
+    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
+    notes: list[str] = field(default_factory=list)
+    vocab_rows: int = 0
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", text.upper())
+    if match is None:
+        raise ValueError(f"merge.max_shard_size: {text!r}; expected a size such as 2GB or 500MB")
+    return int(float(match[1]) * SIZE_UNITS[match[2]])
+
+
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json and the adapter tensors (small: loaded whole)."""
+    from safetensors.torch import load_file
+
+    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: missing; expected the adapter's LoRA config")
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path}: missing; expected the adapter's tensors")
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path}: peft_type {config.get('peft_type')!r}; only LORA adapters merge here")
+    for flag in ("use_dora", "lora_bias"):
+        if config.get(flag):
+            raise ValueError(f"{config_path}: {flag} is true; not supported by this merge")
+    return config, load_file(weights_path)
+
+
+def base_tensors(base_dir: Path) -> tuple[dict[str, str], dict[str, tuple[list[int], str]]]:
+    """{tensor: shard file} and {tensor: (shape, dtype)}, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    index = base_dir / INDEX
+    if index.is_file():
+        files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    elif (base_dir / "model.safetensors").is_file():
+        with safe_open(base_dir / "model.safetensors", "pt") as f:
+            files = dict.fromkeys(f.keys(), "model.safetensors")
+    else:
+        raise FileNotFoundError(f"{base_dir}: no model.safetensors or {INDEX}; expected an HF model folder")
+    shapes = {}
+    for shard in sorted(set(files.values())):
+        with safe_open(base_dir / shard, "pt") as f:
+            for key in list(f.keys()):  # noqa: SIM118 (safe_open is not iterable)
+                meta = f.get_slice(key)
+                shapes[key] = (list(meta.get_shape()), meta.get_dtype())
+    return files, shapes
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """PEFT's rule: the first pattern that matches the end of the module name wins."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def plan_merge(config: dict, adapter: dict[str, torch.Tensor], shapes: dict, tied: bool, embed: str, head: str) -> Plan:
+    """Check that adapter and base fit, and decide every output tensor."""
+    plan = Plan()
+    if tied and head not in shapes:
+        shapes = {**shapes, head: shapes[embed]}  # the output side reads the input embeddings
+    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    for key in sorted(adapter):
+        if not key.startswith(PREFIX):
+            raise ValueError(f"adapter tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
+        name = key[len(PREFIX) :]
+        if ".lora_B." in name or ".original_module." in name or ".modules_to_save." in name:
+            continue  # B goes with A; the others are copies PEFT's own save adds beside `module.weight`
+        if ".lora_A." in name:
+            module = name.split(".lora_A.")[0]
+            a, b = adapter[key], adapter.get(f"{PREFIX}{module}.lora_B.weight")
+            target = f"{module}.weight"
+            if b is None:
+                raise ValueError(f"adapter: {key} has no lora_B partner")
+            if target not in shapes:
+                raise ValueError(f"adapter targets {module}, which the base has no weight for ({target})")
+            rank = a.shape[0]
+            expected_r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+            if rank != expected_r:
+                raise ValueError(f"adapter: {module} has rank {rank}, adapter_config.json says {expected_r}")
+            alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+            scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+            out_features, in_features = shapes[target][0] if not fan_in_fan_out else shapes[target][0][::-1]
+            if (b.shape[0], a.shape[1]) != (out_features, in_features) or b.shape[1] != rank:
+                raise ValueError(
+                    f"adapter: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
+                    f"{tuple(shapes[target][0])}"
+                )
+            plan.deltas[target] = (a, b, scale, fan_in_fan_out)
+        else:
+            target = name
+            if target not in shapes:
+                raise ValueError(f"adapter tensor {key} replaces {target}, which the base does not have")
+            base_shape = shapes[target][0]
+            if list(adapter[key].shape[1:]) != base_shape[1:]:
+                raise ValueError(f"adapter tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
+            plan.replacements[target] = adapter[key]
+    plan.vocab_rows = plan.replacements.get(embed, torch.empty(shapes[embed][0], device="meta")).shape[0]
+    _decide_tie(plan, tied, embed, head, shapes[embed][0][0])
+    return plan
+
+
+def _decide_tie(plan: Plan, tied: bool, embed: str, head: str, base_rows: int) -> None:
+    if not tied:
+        return
+    new_embed, new_head = plan.replacements.get(embed), plan.replacements.get(head)
+    embed_changed, head_changed = (
+        embed in plan.deltas or new_embed is not None,
+        head in plan.deltas or new_head is not None,
+    )
+    same = (not embed_changed and not head_changed) or (
+        new_embed is not None and new_head is not None and not plan.deltas.keys() & {embed, head}
+        and torch.equal(new_embed, new_head)
+    )  # fmt: skip
+    if same:
+        return
+    if new_head is None and plan.vocab_rows != base_rows:
+        raise ValueError(
+            f"adapter: {embed} was resized to {plan.vocab_rows} rows but {head} was not trained; base + adapter "
+            f"would use the resize's initial rows: train with lm_head in modules_to_save (or tied)"
+        )
+    plan.extra[head] = embed  # written from the input embeddings, then changed as the adapter says
+    side = "input" if embed_changed and not head_changed else "output" if head_changed and not embed_changed else "both"
+    plan.notes.append(f"untied {embed} and {head}: the adapter changed the {side} embeddings differently")
+
+
+def _merged_tensor(key: str, base: torch.Tensor, plan: Plan) -> torch.Tensor:
+    value = plan.replacements[key].float() if key in plan.replacements else base.float()
+    if key in plan.deltas:
+        a, b, scale, transposed = plan.deltas[key]
+        delta = (b.float() @ a.float()) * scale
+        value = value + (delta.T if transposed else delta)
+    return value
+
+
+def _layout(keys: list[str], shapes: dict, plan: Plan, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+    """Output shards in base order, each at most max_bytes (a tensor larger than that gets a shard alone)."""
+    shards, current, size = [], [], 0
+    item = torch.empty((), dtype=dtype).element_size()
+    for key in keys:
+        shape = plan.replacements[key].shape if key in plan.replacements else shapes[plan.extra.get(key, key)][0]
+        nbytes = math.prod(shape) * item
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    return [*shards, current] if current else shards
+
+
+def write_merged(base_dir: Path, out: Path, files: dict, shapes: dict, plan: Plan, dtype: str, max_bytes: int) -> int:
+    """Stream every base tensor through the plan into `out`'s shards; returns the number of shards."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    keys = list(files) + [k for k in plan.extra if k not in files]
+    layout = _layout(keys, shapes, plan, DTYPES[dtype], max_bytes)
+    count = len(layout)
+    names = (
+        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        if count > 1
+        else ["model.safetensors"]
+    )
+    handles: dict[str, object] = {}
+    total = 0
+    try:
+        for name, shard in zip(names, layout, strict=True):
+            tensors = {}
+            for key in shard:
+                source = key if key in files else plan.extra[key]
+                if files[source] not in handles:
+                    handles[files[source]] = safe_open(base_dir / files[source], "pt")
+                value = _merged_tensor(key, handles[files[source]].get_tensor(source), plan)
+                if not torch.isfinite(value).all():
+                    raise ValueError(f"merged tensor {key} holds NaN or Inf")
+                tensors[key] = value.to(DTYPES[dtype]).contiguous()
+                total += tensors[key].nbytes
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            del tensors
+    finally:
+        handles.clear()
+    if len(layout) > 1:
+        weight_map = {key: name for name, shard in zip(names, layout, strict=True) for key in shard}
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return len(layout)
+
+
+TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
+
+
+def logits_gap(base_dir: Path, adapter_dir: Path, merged_dir: Path, rows: int, seed: int = 0) -> dict:
+    """Base + adapter (through PEFT) against the merged model on fixed token sequences, both in fp32."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, rows, (2, 48), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        if base.get_input_embeddings().weight.shape[0] != rows:
+            base.resize_token_embeddings(rows, mean_resizing=False)
+        expected = PeftModel.from_pretrained(base, str(adapter_dir)).eval()(input_ids=ids).logits.float()
+        del base
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+        got = merged(input_ids=ids).logits.float()
+    log_p, log_q = expected.log_softmax(-1), got.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    return {"max_abs_logit_diff": float((expected - got).abs().max()), "mean_kl": float(kl), "tokens": ids.numel()}
+
+
+def _embedding_names(base_dir: Path) -> tuple[str, str, bool]:
+    """(input embedding weight, output embedding weight, tied) from the architecture, without weights."""
+    from pipeline.model import meta_model
+
+    model = meta_model(base_dir)
+    names = {id(m): n for n, m in model.named_modules()}
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return f"{names[id(model.get_input_embeddings())]}.weight", f"{names[id(head)]}.weight", tied
+
+
+def _write_config(base_dir: Path, out: Path, rows: int, tied: bool, dtype: str) -> None:
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    config.update(vocab_size=rows, tie_word_embeddings=tied, dtype=str(DTYPES[dtype]).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _check_tokenizer(folder: Path, rows: int) -> int:
+    from pipeline.tokenizer import load_tokenizer
+
+    size = len(load_tokenizer(folder))
+    if size > rows:
+        raise ValueError(f"{folder}: tokenizer has {size} tokens, the merged embeddings only {rows} rows")
+    return size
+
+
+def merge(
+    base_dir: Path,
+    adapter_dir: Path,
+    out_dir: Path,
+    dtype: str = "fp32",
+    max_shard_size: str = "2GB",
+    verify: bool = True,
+    max_abs_logit_diff: float | None = None,
+    max_kl: float | None = None,
+) -> dict:
+    """Merge, write config/tokenizer/generation config, verify; OUT_DIR appears only when all of it passed."""
+    if dtype not in DTYPES:
+        raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(DTYPES)}")
+    if not base_dir.is_dir():
+        raise FileNotFoundError(f"{base_dir}: no such base model folder")
+    max_bytes = parse_size(max_shard_size)
+    config, adapter = read_adapter(adapter_dir)
+    files, shapes = base_tensors(base_dir)
+    embed, head, tied = _embedding_names(base_dir)
+    plan = plan_merge(config, adapter, shapes, tied, embed, head)
+    tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+    tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)
+    report = {
+        "lora_layers": len(plan.deltas), "replaced": sorted(plan.replacements), "tied": tied and not plan.extra,
+        "notes": plan.notes, "vocab_rows": plan.vocab_rows, "tokenizer_size": tokens, "dtype": dtype,
+    }  # fmt: skip
+    with atomic_path(out_dir) as tmp:
+        tmp.mkdir()
+        report["shards"] = write_merged(base_dir, tmp, files, shapes, plan, dtype, max_bytes)
+        _write_config(base_dir, tmp, plan.vocab_rows, report["tied"], dtype)
+        for name in ("generation_config.json",):
+            if (base_dir / name).is_file():
+                shutil.copy2(base_dir / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, tmp / name)
+        if verify:
+            limit_abs, limit_kl = TOLERANCES[dtype]
+            limit_abs, limit_kl = max_abs_logit_diff or limit_abs, max_kl or limit_kl
+            gap = logits_gap(base_dir, adapter_dir, tmp, plan.vocab_rows)
+            report["verification"] = {**gap, "limit_abs": limit_abs, "limit_kl": limit_kl}
+            if gap["max_abs_logit_diff"] > limit_abs or gap["mean_kl"] > limit_kl:
+                raise ValueError(
+                    f"merge verification failed: merged logits differ from base + adapter by "
+                    f"{gap['max_abs_logit_diff']:.3g} (limit {limit_abs:g}), mean KL {gap['mean_kl']:.3g} "
+                    f"(limit {limit_kl:g}); nothing written to {out_dir}"
+                )
+        (tmp / REPORT).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return report

@@ -1,0 +1,29 @@
+"""Stage merge: fold the consolidated adapter into the base and verify the merged logits."""
+
+import argparse
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import write_json
+from pipeline.merge import merge
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    m = cfg.merge
+    report = merge(
+        args.base, args.adapter, args.out, m.dtype, m.max_shard_size, m.verify, m.max_abs_logit_diff, m.max_kl
+    )
+    write_json(args.metrics, {"vocab_rows": report["vocab_rows"], **report.get("verification", {})})
+    for note in report["notes"]:
+        print(f"merge: note: {note}")
+    print(f"merge: {report}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base", type=Path, required=True, help="prepared base model folder")
+    parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
+    parser.add_argument("--out", type=Path, required=True, help="merged model folder to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="verification figures (DVC metrics)")
+    run(main, parser)
