@@ -130,6 +130,7 @@ class EvalConfig(Section):
     context: int = PositiveInt
     stride: int = PositiveInt
     batch_size: int = PositiveInt
+    max_bytes: int | None = Field(gt=0)
     max_new_tokens: int = Field(ge=0)
     prompts: list[str]
 

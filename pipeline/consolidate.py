@@ -6,16 +6,22 @@ come from one save (stage, world size, DeepSpeed version, step)."""
 
 from __future__ import annotations
 
-import hashlib
+import ctypes
 import json
 import math
+import mmap
+import pickle
 import re
 import shutil
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from pipeline import safetensors_stream
 from pipeline.atomic import atomic_path
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
@@ -69,10 +75,32 @@ def find_adapter_config(checkpoint_dir: Path, tag: str, explicit: Path | None) -
     )
 
 
+class _Opaque:
+    """Stands in for a DeepSpeed object inside a checkpoint (a loss scaler...): not needed, not imported."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __setstate__(self, state: object) -> None:
+        self.__dict__.update(state if isinstance(state, dict) else {})
+
+
+class _Unpickler(pickle.Unpickler):
+    """Unpickles checkpoints without importing DeepSpeed (about 140 MB): its enums become ints."""
+
+    def find_class(self, module: str, name: str):
+        if module.split(".")[0] == "deepspeed":
+            return int if name.endswith("Enum") else _Opaque
+        return super().find_class(module, name)
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pipeline_consolidate_pickle")
+
+
 def _load(path: Path) -> dict:
     """Memory-mapped torch.load: tensors stay on disk until read."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
         raise ValueError(f"{path}: cannot be read as a DeepSpeed shard (truncated or corrupted?): {err}") from err
 
@@ -153,37 +181,60 @@ def _param_shapes(model_state: dict, path: Path) -> list[dict[str, torch.Size]]:
     return [{name: torch.Size(shape) for name, shape in group.items()} for group in shapes]
 
 
+BLOCK = 1 << 20  # elements copied (and released) at a time
+Lazy = tuple[torch.Size, Callable[[], torch.Tensor]]  # a tensor's shape, and how to read it when it is written
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Drop the whole pages under a memory-mapped slice from this process's memory (the file keeps them)."""
+    start = tensor.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (start + tensor.numel() * tensor.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # MADV_DONTNEED
+
+
 def _gather_flat(partitions: list[torch.Tensor], offset: int, numel: int) -> torch.Tensor:
     """Elements [offset, offset + numel) of the concatenation of `partitions`, without concatenating them."""
     out, filled, start = torch.empty(numel, dtype=torch.float32), 0, 0
     for part in partitions:
         end = start + part.numel()
         lo, hi = max(offset, start), min(offset + numel, end)
-        if lo < hi:
-            out[filled : filled + hi - lo] = part[lo - start : hi - start]
-            filled += hi - lo
+        for block in range(lo, hi, BLOCK):  # a few MB at a time, each released once copied
+            size = min(BLOCK, hi - block)
+            out[filled : filled + size] = part[block - start : block - start + size]
+            _release(part[block - start : block - start + size])
+            filled += size
         start = end
     if filled != numel:
         raise ValueError(f"partitions end at element {start}, a parameter needs [{offset}, {offset + numel})")
     return out
 
 
-def _zero12(shapes, world: int, groups: list[list[torch.Tensor]], paddings, where: Path) -> dict[str, torch.Tensor]:
+def _zero12(shapes, world: int, groups: list[list[torch.Tensor]], paddings, where: Path) -> dict[str, Lazy]:
     """ZeRO-1/2 (and the bf16 optimizer): each group is one flat vector split evenly over the ranks."""
     state = {}
     for g, group_shapes in enumerate(shapes):
         partitions = [groups[rank][g] for rank in range(world)]
         available, offset = sum(p.numel() for p in partitions), 0
         for i, (name, shape) in enumerate(group_shapes.items()):
-            state[name] = _gather_flat(partitions, offset, shape.numel()).view(shape)
+            state[name] = (shape, lambda p=partitions, o=offset, s=shape: _gather_flat(p, o, s.numel()).view(s))
             offset += shape.numel() + (paddings[g][i] if paddings else 0)
+        if offset > available:
+            raise ValueError(f"{where}: parameter group {g} holds {available} elements, its parameters {offset}")
         align = 2 * world  # DeepSpeed pads each group to a multiple of 2 x world size
         if math.ceil(offset / align) * align != math.ceil(available / align) * align:
             raise ValueError(f"{where}: parameter group {g} holds {available} elements, its parameters {offset}")
     return state
 
 
-def _zero3(shapes, world: int, groups: list[list[torch.Tensor]], where: Path) -> dict[str, torch.Tensor]:
+def _zero3_param(groups: list[list[torch.Tensor]], offset: int, piece: int, shape: torch.Size) -> torch.Tensor:
+    pieces = [_gather_flat(rank_groups, offset, piece) for rank_groups in groups]
+    return torch.cat(pieces)[: shape.numel()].view(shape)
+
+
+def _zero3(shapes, world: int, groups: list[list[torch.Tensor]], where: Path) -> dict[str, Lazy]:
     """ZeRO-3: each parameter is split into `world` equal padded pieces, one per rank, in parameter order."""
     flat = {name: shape for group in shapes for name, shape in group.items()}
     rank_numel = [sum(t.numel() for t in groups[rank]) for rank in range(world)]
@@ -192,8 +243,7 @@ def _zero3(shapes, world: int, groups: list[list[torch.Tensor]], where: Path) ->
     state, offset = {}, 0
     for name, shape in flat.items():
         piece = math.ceil(shape.numel() / world)
-        pieces = [_gather_flat(groups[rank], offset, piece) for rank in range(world)]
-        state[name] = torch.cat(pieces)[: shape.numel()].view(shape)
+        state[name] = (shape, partial(_zero3_param, groups, offset, piece, shape))
         offset += piece
     if offset != rank_numel[0]:
         raise ValueError(f"{where}: each rank holds {rank_numel[0]} elements, the parameters consume {offset}")
@@ -214,7 +264,7 @@ def _adapter_names(module: dict) -> tuple[list[str], dict[str, str]]:
     return names, aliases
 
 
-def _zero0(model_state: dict, path: Path) -> dict[str, torch.Tensor]:
+def _zero0(model_state: dict, path: Path) -> dict[str, Lazy]:
     """ZeRO-0: fp32 engines train the module's own tensors; bf16/fp16 ones keep fp32 copies in the optimizer,
     in group order, each matched to the module tensor it rounds to (within a group, module order)."""
     module = model_state["module"]
@@ -223,7 +273,7 @@ def _zero0(model_state: dict, path: Path) -> dict[str, torch.Tensor]:
     if masters is None:
         if any(module[n].dtype != torch.float32 for n in names):
             raise ValueError(f"{path}: half-precision ZeRO-0 checkpoint without fp32_groups: no master weights")
-        return {name: module[name].float() for name in names}
+        return {name: (module[name].shape, module[name].float) for name in names}
     state, free = {}, list(names)
     for master in (t for group in masters for t in group):
         match = next(
@@ -233,14 +283,15 @@ def _zero0(model_state: dict, path: Path) -> dict[str, torch.Tensor]:
         if match is None:
             raise ValueError(f"{path}: an fp32 master of shape {tuple(master.shape)} matches no module tensor")
         free.remove(match)
-        state[match] = master.float()
+        state[match] = (master.shape, master.float)
     if free:
         raise ValueError(f"{path}: no fp32 master for {free}")
     return state
 
 
-def master_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], Source]:
-    """The fp32 master value of every trainable parameter (engine names) and where it came from."""
+def master_weights(tag_dir: Path) -> tuple[dict[str, Lazy], Source]:
+    """Every trainable parameter's shape and a reader of its fp32 master value (engine names), and where they
+    came from. Shapes and element counts are checked here; values are read when written."""
     shards = _shards(tag_dir)
     models = {p: _load(p) for p in shards["model"].values()}
     for path, state in models.items():
@@ -250,7 +301,7 @@ def master_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], Source]:
     state, source = _masters(tag_dir, shards, first_path, first, models)
     aliases = first.get("shared_params")
     aliases = _adapter_names(first["module"])[1] if aliases is None else aliases
-    state.update({alias: state[src].clone() for alias, src in aliases.items() if src in state})  # PEFT wants both
+    state.update({alias: state[src] for alias, src in aliases.items() if src in state})  # PEFT wants both names
     return state, source
 
 
@@ -278,44 +329,38 @@ def peft_key(name: str, adapter: str = "default") -> str:
     return name.replace(f"modules_to_save.{adapter}.", "").replace(f".{adapter}.", ".")
 
 
-def _sha256(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
 def consolidate(
     checkpoint_dir: Path, output_dir: Path, tag: str | None, adapter_config: Path | None, dtype: str = "fp32"
 ) -> dict:
     """Write OUTPUT_DIR as a PEFT adapter folder (+ manifest); nothing is written unless every check passes."""
     from importlib.metadata import version
 
-    from safetensors.torch import save_file
-
     tag = resolve_tag(checkpoint_dir, tag)
     config = find_adapter_config(checkpoint_dir, tag, adapter_config)
     state, source = master_weights(checkpoint_dir / tag)
-    tensors = {}
-    for name, value in state.items():
-        if not torch.isfinite(value).all():
-            raise ValueError(f"{checkpoint_dir / tag}: parameter {name} holds NaN or Inf")
-        tensors[peft_key(name)] = value.to(DTYPES[dtype]).contiguous()
-    if not any("lora_" in key for key in tensors):
-        raise ValueError(f"{checkpoint_dir / tag}: no LoRA parameters among the trainable tensors {sorted(tensors)}")
-    manifest = {
-        "source": {
-            **source.__dict__,
-            "checkpoint": str(checkpoint_dir),
-            "consolidated_by_deepspeed": version("deepspeed"),
-        },
-        "dtype": dtype,
-        "elements": sum(t.numel() for t in tensors.values()),
-        "tensors": {
-            k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _sha256(t)}
-            for k, t in sorted(tensors.items())
-        },
-    }
+    names = {peft_key(name): name for name in state}
+    if not any("lora_" in key for key in names):
+        raise ValueError(f"{checkpoint_dir / tag}: no LoRA parameters among the trainable tensors {sorted(names)}")
+    entries = [(key, tuple(state[names[key]][0]), DTYPES[dtype]) for key in sorted(names)]
+
+    def produce(key: str) -> torch.Tensor:
+        value = state[names[key]][1]()
+        if not all(torch.isfinite(block).all() for block in value.view(-1).split(BLOCK)):
+            raise ValueError(f"{checkpoint_dir / tag}: parameter {names[key]} holds NaN or Inf")
+        return value.to(DTYPES[dtype])
+
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
-        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        digests = safetensors_stream.write(tmp / ADAPTER_WEIGHTS, entries, produce)
+        manifest = {
+            "source": {**source.__dict__, "checkpoint": str(checkpoint_dir), "deepspeed_here": version("deepspeed")},
+            "dtype": dtype,
+            "elements": sum(math.prod(shape) for _, shape, _ in entries),
+            "tensors": {
+                key: {"shape": list(shape), "dtype": str(kind).removeprefix("torch."), "sha256": digests[key]}
+                for key, shape, kind in entries
+            },
+        }  # fmt: skip
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for extra in TOKENIZER_FILES:

@@ -1,0 +1,88 @@
+"""Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
+greedy samples from fixed prompts, all logged to the pipeline's MLflow run."""
+
+import argparse
+import json
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import atomic_path, write_json
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from pipeline import evaluate as ev
+    from pipeline.tokenizer import load_tokenizer
+    from pipeline.tracking import open_run
+
+    e = cfg.eval
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    models = {
+        "base": (args.base, None, args.base_tokenizer),
+        "adapter": (args.base, args.adapter, args.adapter),
+        "merged": (args.merged, None, args.merged),
+    }
+    for name, (folder, adapter, _) in models.items():
+        for path in (folder, adapter):
+            if path is not None and not path.is_dir():
+                raise FileNotFoundError(f"{path}: missing model folder for '{name}'")
+    results: dict[str, dict] = {s: {} for s in e.sets}
+    samples: dict[str, list[str]] = {}
+    for name, (folder, adapter, tokenizer_dir) in models.items():
+        tokenizer = load_tokenizer(tokenizer_dir)
+        sets = {
+            s: ev.load_examples(tokenizer, Path(p), cfg.data.prompt_template, e.max_bytes, e.context, f"eval.sets.{s}")
+            for s, p in e.sets.items()
+        }
+        model = ev.load_model(folder, adapter, dtype, device)
+        ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
+        for set_name, examples in sets.items():
+            total = sum(len(ev.windows(x, e.context, e.stride)) for x in examples)
+            with tqdm(total=total, desc=f"evaluate {name}/{set_name}", dynamic_ncols=True) as bar:
+                scored = ev.score(model, examples, e.context, e.stride, e.batch_size, bar.update)
+            results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
+        samples[name] = ev.greedy_samples(model, tokenizer, e.prompts, e.max_new_tokens)
+        del model
+    write_json(args.metrics, results)
+    rows = ["set,model,bits_per_byte,perplexity"]
+    rows += [f"{s},{m},{v['bits_per_byte']},{v['perplexity']}" for s, by in results.items() for m, v in by.items()]
+    with atomic_path(args.plot) as tmp:
+        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    lines = ["# Greedy samples", ""]
+    for i, prompt in enumerate(e.prompts):
+        answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
+        lines += [f"## {prompt}", "", *answers, ""]
+    with atomic_path(args.samples) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
+    with open_run(cfg.tracking.uri, cfg.tracking.experiment, args.run_id_file) as tracker:
+        tracker.log_metrics(
+            {f"eval.{s}.{m}.{k}": v for s, by in results.items() for m, f in by.items() for k, v in f.items()}
+        )
+        for path in (args.metrics, args.plot, args.samples):
+            tracker.log_artifact(path, "evaluate")
+    print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8} {'bytes':>8}")
+    for s, by in results.items():
+        for m, v in by.items():
+            print(
+                f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8} {v['bytes']:>8}"
+            )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    for name, meaning in (
+        ("base", "prepared base model folder"),
+        ("base-tokenizer", "the base's own tokenizer"),
+        ("adapter", "consolidated adapter folder (with its tokenizer)"),
+        ("merged", "merged model folder"),
+        ("metrics", "eval.json to write"),
+        ("plot", "CSV of bits per byte per set and model (a DVC plot)"),
+        ("samples", "Markdown file of greedy samples"),
+        ("run-id-file", "the pipeline's MLflow run id"),
+    ):
+        parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
+    run(main, parser)
