@@ -16,8 +16,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline import safetensors_stream
 from pipeline.atomic import atomic_path
 from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPES
+from pipeline.safetensors_stream import Stored, stored
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 PREFIX = "base_model.model."
@@ -31,7 +33,7 @@ class Plan:
     """What happens to each base tensor, decided (and checked) before anything is written."""
 
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=dict)  # A, B, scale, T
-    replacements: dict[str, torch.Tensor] = field(default_factory=dict)
+    replacements: dict[str, Stored] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
     vocab_rows: int = 0
@@ -44,10 +46,8 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """adapter_config.json and the adapter tensors (small: loaded whole)."""
-    from safetensors.torch import load_file
-
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
+    """adapter_config.json and the adapter's tensors (not read yet)."""
     config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: missing; expected the adapter's LoRA config")
@@ -59,28 +59,19 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     for flag in ("use_dora", "lora_bias"):
         if config.get(flag):
             raise ValueError(f"{config_path}: {flag} is true; not supported by this merge")
-    return config, load_file(weights_path)
+    return config, stored(weights_path)
 
 
-def base_tensors(base_dir: Path) -> tuple[dict[str, str], dict[str, tuple[list[int], str]]]:
-    """{tensor: shard file} and {tensor: (shape, dtype)}, read from the safetensors headers only."""
-    from safetensors import safe_open
-
+def base_tensors(base_dir: Path) -> dict[str, Stored]:
+    """Every base tensor, in shard order, from the safetensors headers only."""
     index = base_dir / INDEX
     if index.is_file():
-        files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
     elif (base_dir / "model.safetensors").is_file():
-        with safe_open(base_dir / "model.safetensors", "pt") as f:
-            files = dict.fromkeys(f.keys(), "model.safetensors")
+        shards = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{base_dir}: no model.safetensors or {INDEX}; expected an HF model folder")
-    shapes = {}
-    for shard in sorted(set(files.values())):
-        with safe_open(base_dir / shard, "pt") as f:
-            for key in list(f.keys()):  # noqa: SIM118 (safe_open is not iterable)
-                meta = f.get_slice(key)
-                shapes[key] = (list(meta.get_shape()), meta.get_dtype())
-    return files, shapes
+    return {name: tensor for shard in shards for name, tensor in stored(base_dir / shard).items()}
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -91,11 +82,13 @@ def _pattern_value(patterns: dict, module: str, default):
     return default
 
 
-def plan_merge(config: dict, adapter: dict[str, torch.Tensor], shapes: dict, tied: bool, embed: str, head: str) -> Plan:
+def plan_merge(
+    config: dict, adapter: dict[str, Stored], base: dict[str, Stored], tied: bool, embed: str, head: str
+) -> Plan:
     """Check that adapter and base fit, and decide every output tensor."""
     plan = Plan()
-    if tied and head not in shapes:
-        shapes = {**shapes, head: shapes[embed]}  # the output side reads the input embeddings
+    if tied and head not in base:
+        base = {**base, head: base[embed]}  # the output side reads the input embeddings
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     for key in sorted(adapter):
         if not key.startswith(PREFIX):
@@ -105,11 +98,11 @@ def plan_merge(config: dict, adapter: dict[str, torch.Tensor], shapes: dict, tie
             continue  # B goes with A; the others are copies PEFT's own save adds beside `module.weight`
         if ".lora_A." in name:
             module = name.split(".lora_A.")[0]
-            a, b = adapter[key], adapter.get(f"{PREFIX}{module}.lora_B.weight")
-            target = f"{module}.weight"
-            if b is None:
+            b_key, target = f"{PREFIX}{module}.lora_B.weight", f"{module}.weight"
+            if b_key not in adapter:
                 raise ValueError(f"adapter: {key} has no lora_B partner")
-            if target not in shapes:
+            a, b = adapter[key].read(), adapter[b_key].read()
+            if target not in base:
                 raise ValueError(f"adapter targets {module}, which the base has no weight for ({target})")
             rank = a.shape[0]
             expected_r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
@@ -117,23 +110,23 @@ def plan_merge(config: dict, adapter: dict[str, torch.Tensor], shapes: dict, tie
                 raise ValueError(f"adapter: {module} has rank {rank}, adapter_config.json says {expected_r}")
             alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
             scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-            out_features, in_features = shapes[target][0] if not fan_in_fan_out else shapes[target][0][::-1]
+            out_features, in_features = base[target].shape if not fan_in_fan_out else base[target].shape[::-1]
             if (b.shape[0], a.shape[1]) != (out_features, in_features) or b.shape[1] != rank:
                 raise ValueError(
                     f"adapter: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
-                    f"{tuple(shapes[target][0])}"
+                    f"{tuple(base[target].shape)}"
                 )
             plan.deltas[target] = (a, b, scale, fan_in_fan_out)
         else:
             target = name
-            if target not in shapes:
+            if target not in base:
                 raise ValueError(f"adapter tensor {key} replaces {target}, which the base does not have")
-            base_shape = shapes[target][0]
+            base_shape = base[target].shape
             if list(adapter[key].shape[1:]) != base_shape[1:]:
                 raise ValueError(f"adapter tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
             plan.replacements[target] = adapter[key]
-    plan.vocab_rows = plan.replacements.get(embed, torch.empty(shapes[embed][0], device="meta")).shape[0]
-    _decide_tie(plan, tied, embed, head, shapes[embed][0][0])
+    plan.vocab_rows = plan.replacements.get(embed, base[embed]).shape[0]
+    _decide_tie(plan, tied, embed, head, base[embed].shape[0])
     return plan
 
 
@@ -147,7 +140,7 @@ def _decide_tie(plan: Plan, tied: bool, embed: str, head: str, base_rows: int) -
     )
     same = (not embed_changed and not head_changed) or (
         new_embed is not None and new_head is not None and not plan.deltas.keys() & {embed, head}
-        and torch.equal(new_embed, new_head)
+        and new_embed.shape == new_head.shape and new_embed.digest() == new_head.digest()
     )  # fmt: skip
     if same:
         return
@@ -161,65 +154,54 @@ def _decide_tie(plan: Plan, tied: bool, embed: str, head: str, base_rows: int) -
     plan.notes.append(f"untied {embed} and {head}: the adapter changed the {side} embeddings differently")
 
 
-def _merged_tensor(key: str, base: torch.Tensor, plan: Plan) -> torch.Tensor:
-    value = plan.replacements[key].float() if key in plan.replacements else base.float()
+def _merged_tensor(key: str, base: Stored, plan: Plan) -> torch.Tensor:
+    value = plan.replacements.get(key, base).read().float()
     if key in plan.deltas:
         a, b, scale, transposed = plan.deltas[key]
         delta = (b.float() @ a.float()) * scale
-        value = value + (delta.T if transposed else delta)
+        value += delta.T if transposed else delta
     return value
 
 
-def _layout(keys: list[str], shapes: dict, plan: Plan, dtype: torch.dtype, max_bytes: int) -> list[list[str]]:
+def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """Output shards in base order, each at most max_bytes (a tensor larger than that gets a shard alone)."""
     shards, current, size = [], [], 0
-    item = torch.empty((), dtype=dtype).element_size()
     for key in keys:
-        shape = plan.replacements[key].shape if key in plan.replacements else shapes[plan.extra.get(key, key)][0]
-        nbytes = math.prod(shape) * item
-        if current and size + nbytes > max_bytes:
+        if current and size + sizes[key] > max_bytes:
             shards.append(current)
             current, size = [], 0
         current.append(key)
-        size += nbytes
+        size += sizes[key]
     return [*shards, current] if current else shards
 
 
-def write_merged(base_dir: Path, out: Path, files: dict, shapes: dict, plan: Plan, dtype: str, max_bytes: int) -> int:
-    """Stream every base tensor through the plan into `out`'s shards; returns the number of shards."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    keys = list(files) + [k for k in plan.extra if k not in files]
-    layout = _layout(keys, shapes, plan, DTYPES[dtype], max_bytes)
+def write_merged(out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max_bytes: int) -> int:
+    """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
+    kind = DTYPES[dtype]
+    sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
+    shapes = {key: tuple((plan.replacements.get(key) or src).shape) for key, src in sources.items()}
+    sizes = {key: math.prod(shape) * torch.empty((), dtype=kind).element_size() for key, shape in shapes.items()}
+    layout = _layout(list(sources), sizes, max_bytes)
     count = len(layout)
     names = (
         [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
         if count > 1
         else ["model.safetensors"]
     )
-    handles: dict[str, object] = {}
-    total = 0
-    try:
-        for name, shard in zip(names, layout, strict=True):
-            tensors = {}
-            for key in shard:
-                source = key if key in files else plan.extra[key]
-                if files[source] not in handles:
-                    handles[files[source]] = safe_open(base_dir / files[source], "pt")
-                value = _merged_tensor(key, handles[files[source]].get_tensor(source), plan)
-                if not torch.isfinite(value).all():
-                    raise ValueError(f"merged tensor {key} holds NaN or Inf")
-                tensors[key] = value.to(DTYPES[dtype]).contiguous()
-                total += tensors[key].nbytes
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
-            del tensors
-    finally:
-        handles.clear()
-    if len(layout) > 1:
+
+    def produce(key: str) -> torch.Tensor:
+        value = _merged_tensor(key, sources[key], plan)
+        if not all(torch.isfinite(block).all() for block in value.view(-1).split(1 << 20)):
+            raise ValueError(f"merged tensor {key} holds NaN or Inf")
+        return value.to(kind)
+
+    for name, shard in zip(names, layout, strict=True):
+        safetensors_stream.write(out / name, [(key, shapes[key], kind) for key in shard], produce)
+    if count > 1:
         weight_map = {key: name for name, shard in zip(names, layout, strict=True) for key in shard}
-        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return len(layout)
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return count
 
 
 TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
@@ -287,9 +269,9 @@ def merge(
         raise FileNotFoundError(f"{base_dir}: no such base model folder")
     max_bytes = parse_size(max_shard_size)
     config, adapter = read_adapter(adapter_dir)
-    files, shapes = base_tensors(base_dir)
+    base = base_tensors(base_dir)
     embed, head, tied = _embedding_names(base_dir)
-    plan = plan_merge(config, adapter, shapes, tied, embed, head)
+    plan = plan_merge(config, adapter, base, tied, embed, head)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)
     report = {
@@ -298,7 +280,7 @@ def merge(
     }  # fmt: skip
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        report["shards"] = write_merged(base_dir, tmp, files, shapes, plan, dtype, max_bytes)
+        report["shards"] = write_merged(tmp, base, plan, dtype, max_bytes)
         _write_config(base_dir, tmp, plan.vocab_rows, report["tied"], dtype)
         for name in ("generation_config.json",):
             if (base_dir / name).is_file():

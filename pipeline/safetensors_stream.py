@@ -8,6 +8,7 @@ import json
 import math
 import struct
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,3 +49,65 @@ def write(
             out.write(data)
             del tensor, data  # before the next one is produced
     return digests
+
+
+DTYPES = {code: dtype for dtype, code in CODES.items()}
+CHUNK = 1 << 24  # bytes read at a time when hashing
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """({name: {dtype, shape, data_offsets}}, where the data starts), without reading any tensor."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+def read_tensor(path: Path, name: str, header: dict, start: int) -> torch.Tensor:
+    """One tensor read with plain file reads (no memory map: the file's pages never count as ours)."""
+    entry = header[name]
+    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+    begin, end = entry["data_offsets"]
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        if f.readinto(raw_bytes(tensor)) != end - begin:
+            raise ValueError(f"{path}: truncated: tensor {name} ends past the end of the file")
+    return tensor
+
+
+def digest(path: Path, name: str, header: dict, start: int) -> str:
+    """sha256 of one tensor's bytes, read in chunks."""
+    begin, end = header[name]["data_offsets"]
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start + begin)
+        for offset in range(begin, end, CHUNK):
+            sha.update(f.read(min(CHUNK, end - offset)))
+    return sha.hexdigest()
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A tensor inside a safetensors file: its shape from the header, its values read on demand."""
+
+    path: Path
+    name: str
+    header: dict
+    start: int
+
+    @property
+    def shape(self) -> list[int]:
+        return self.header[self.name]["shape"]
+
+    def read(self) -> torch.Tensor:
+        return read_tensor(self.path, self.name, self.header, self.start)
+
+    def digest(self) -> str:
+        return digest(self.path, self.name, self.header, self.start)
+
+
+def stored(path: Path) -> dict[str, Stored]:
+    """Every tensor of a safetensors file, nothing read yet."""
+    header, start = read_header(path)
+    return {name: Stored(path, name, header, start) for name in header}
