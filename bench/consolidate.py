@@ -32,11 +32,11 @@ def main() -> None:
         work = Path(tmp)
         stock = CHECKPOINTS / "zero_to_fp32.py"  # the copy DeepSpeed writes beside every checkpoint
         convert = [sys.executable, str(stock), str(CHECKPOINTS), str(work / "fp32"), "--exclude_frozen_parameters"]
-        seconds_convert, peak_convert = run_measured(convert)  # --safe_serialization fails on tied embeddings
+        seconds_convert, peak_convert, _ = run_measured(convert)  # --safe_serialization fails on tied embeddings
         rename = [sys.executable, "-m", "bench.consolidate", "rename", str(work / "fp32"), str(work / "renamed")]
-        seconds_rename, peak_rename = run_measured(rename)
+        seconds_rename, peak_rename, _ = run_measured(rename)
         ours = [sys.executable, "-m", "pipeline", "consolidate", str(CHECKPOINTS), str(work / "ours")]
-        seconds_ours, peak_ours = run_measured(ours)
+        seconds_ours, peak_ours, _ = run_measured(ours)
     reference_seconds, reference_peak = seconds_convert + seconds_rename, max(peak_convert, peak_rename)
     report(
         "consolidate",

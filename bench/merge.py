@@ -1,7 +1,7 @@
 """merge against what users run today: PeftModel.from_pretrained(base, adapter).merge_and_unload()
 .save_pretrained(out) (after resizing the base to the adapter's vocabulary), on the default model and adapter, in
 one run: wall time and peak memory ratios (targets: at most 1.0x time, 0.5x memory). Ours is timed without and
-with its logits verification (the reference verifies nothing). `--large` also merges a random 1.1B-parameter
+with its logits verification (the reference verifies nothing). `--large` also merges a random 1.2B-parameter
 LLaMA stored in 500 MB shards, to show the streaming bound. Needs `make run` first."""
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def peft_merge(base: Path, adapter: Path, out: Path) -> None:
 
 
 def large_base(out: Path) -> None:
-    """A random LLaMA of 1.1B parameters (TinyLlama's shape), fp32, 500 MB shards, plus a LoRA adapter."""
+    """A random 1.2B LLaMA (TinyLlama's shape, SmolLM2's vocabulary) in fp32 500 MB shards, and a LoRA adapter."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+        vocab_size=49152, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
         num_key_value_heads=4, tie_word_embeddings=False,
     )  # fmt: skip
     with torch.device("meta"):
@@ -62,9 +62,9 @@ def main(large: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         reference = [sys.executable, "-m", "bench.merge", "reference", str(BASE), str(ADAPTER), str(work / "peft")]
-        ref_seconds, ref_peak = run_measured(reference)
-        seconds, peak = run_measured(_ours(BASE, ADAPTER, work / "ours", verify=False))
-        verified_seconds, verified_peak = run_measured(_ours(BASE, ADAPTER, work / "verified", verify=True))
+        ref_seconds, ref_peak, _ = run_measured(reference)
+        seconds, peak, _ = run_measured(_ours(BASE, ADAPTER, work / "ours", verify=False))
+        verified_seconds, verified_peak, _ = run_measured(_ours(BASE, ADAPTER, work / "verified", verify=True))
         figures = {
             "reference_seconds": round(ref_seconds, 2), "ours_seconds": round(seconds, 2),
             "time_ratio": round(seconds / ref_seconds, 3), "target_time_ratio": 1.0,
@@ -77,7 +77,7 @@ def main(large: bool) -> None:
             run_measured([sys.executable, "-m", "bench.merge", "make-large", str(work / "large")])
             base = work / "large" / "base"
             shard = max(p.stat().st_size for p in base.glob("*.safetensors"))
-            seconds, peak = run_measured(_ours(base, work / "large" / "adapter", work / "merged", False, "500MB"))
+            seconds, peak, _ = run_measured(_ours(base, work / "large" / "adapter", work / "merged", False, "500MB"))
             params = json.loads((base / "model.safetensors.index.json").read_text())["metadata"]["total_size"] / 4
             figures.update(
                 large_parameters=int(params), large_largest_shard_mb=round(shard / 2**20, 1),

@@ -39,6 +39,24 @@ def _merge(args: argparse.Namespace) -> None:
     print(f"merge: {json.dumps(report, sort_keys=True)}")
 
 
+def _evaluate(args: argparse.Namespace) -> None:
+    import torch
+
+    from pipeline import evaluate as ev
+    from pipeline.tokenizer import load_tokenizer
+
+    if args.stride > args.context:
+        raise ValueError(f"--stride: must be <= --context ({args.context}), got {args.stride}")
+    tokenizer = load_tokenizer(args.tokenizer or args.adapter or args.model)
+    examples = ev.load_examples(tokenizer, args.file, args.template, args.max_bytes, args.context, "--file")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    model = ev.load_model(args.model, args.adapter, dtype, device)
+    ev.check_vocabulary(tokenizer, model, str(args.tokenizer or args.adapter or args.model))
+    result = ev.score(model, examples, args.context, args.stride, args.batch_size).as_dict()
+    print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
@@ -59,6 +77,17 @@ def parser() -> argparse.ArgumentParser:
     merge.add_argument("--max-abs-diff", type=float, help="largest |logit difference| accepted (per-dtype default)")
     merge.add_argument("--max-kl", type=float, help="largest mean KL divergence accepted (per-dtype default)")
     merge.set_defaults(handler=_merge)
+    evaluate = commands.add_parser("evaluate", help="perplexity and bits per byte of a model on a text/JSONL file")
+    evaluate.add_argument("--model", type=Path, required=True, help="HF model folder")
+    evaluate.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
+    evaluate.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the adapter's, else the model's)")
+    evaluate.add_argument("--file", type=Path, required=True, help="text (one document per line) or SFT JSONL")
+    evaluate.add_argument("--context", type=int, default=512, help="window length in tokens")
+    evaluate.add_argument("--stride", type=int, default=512, help="tokens the window advances by")
+    evaluate.add_argument("--batch-size", type=int, default=4)
+    evaluate.add_argument("--max-bytes", type=int, help="score whole documents up to this many bytes")
+    evaluate.add_argument("--template", default="alpaca", help="prompt template for alpaca-style JSONL")
+    evaluate.set_defaults(handler=_evaluate)
     return top
 
 

@@ -74,9 +74,16 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         t.global_batch_size,
     )  # fmt: skip
     check_targets(meta_model(args.base), lora.target_modules, lora.modules_to_save)
+    rows = vocab_rows(args.base, args.tokenizer, t.resize_embeddings)
+    base_rows = json.loads((args.base / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    if rows > base_rows and "embed_tokens" not in lora.modules_to_save:
+        raise ValueError(
+            f"lora.modules_to_save: the vocabulary grows from {base_rows} to {rows} rows but embed_tokens is not "
+            f"trained, so every new token would keep its initial embedding; expected [embed_tokens, lm_head]"
+        )
     identity = {
         "base_config": file_digest([args.base / "config.json"]),
-        "vocab_rows": vocab_rows(args.base, args.tokenizer, t.resize_embeddings),
+        "vocab_rows": rows,
         "lora_r": lora.r,
         "target_modules": sorted(lora.target_modules),
         "modules_to_save": sorted(lora.modules_to_save),

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 TINY = [
     "train.precision=fp32", "train.max_steps=6", "train.warmup_steps=1", "train.lr=5e-3", "train.save_every=3",
     "train.eval_every=3", "train.micro_batch_size=1", "train.global_batch_size=4", "lora.dropout=0.0",
-    "lora.r=4", "launcher.accelerator=cpu",
+    "lora.r=4", "launcher.accelerator=cpu", "lora.modules_to_save=[embed_tokens,lm_head]",
 ]  # fmt: skip
 TWO_RANKS = ["launcher.ranks_per_node=2", "train.gradient_accumulation_steps=2"]
 ONE_RANK = ["launcher.ranks_per_node=1", "train.gradient_accumulation_steps=4"]
@@ -215,6 +215,7 @@ def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
          "train.gradient_accumulation_steps (2) x world size (2) = 4"),
         (["lora.target_modules=[q_proj,vproj]"], "lora.target_modules: ['vproj'] match no Linear layer; available: "),
         (["train.resize_embeddings=false"], "train.resize_embeddings: false, but the tokenizer has"),
+        (["lora.modules_to_save=[]"], "lora.modules_to_save: the vocabulary grows from 49152 to "),
         (["train.precision=fp16"], "train.precision: fp16 is not supported on cpu; expected one of ['bf16', 'fp32']"),
         (["deepspeed.stage=5"], "deepspeed.stage: input should be 0, 1, 2 or 3, got 5"),
     ],
