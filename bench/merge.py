@@ -25,8 +25,9 @@ def peft_merge(base: Path, adapter: Path, out: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
-        rows = f.get_slice("base_model.model.model.embed_tokens.weight").get_shape()[0]
-    model.resize_token_embeddings(rows)
+        rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
+    if rows:  # a vocabulary extension: PEFT needs the base resized first
+        model.resize_token_embeddings(rows[0])
     PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().save_pretrained(str(out))
 
 

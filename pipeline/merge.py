@@ -226,15 +226,29 @@ def logits_gap(base_dir: Path, adapter_dir: Path, merged_dir: Path, rows: int, s
     return {"max_abs_logit_diff": float((expected - got).abs().max()), "mean_kl": float(kl), "tokens": ids.numel()}
 
 
-def _embedding_names(base_dir: Path) -> tuple[str, str, bool]:
-    """(input embedding weight, output embedding weight, tied) from the architecture, without weights."""
+EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight")
+HEADS = ("lm_head.weight", "embed_out.weight")
+
+
+def _embedding_names(base_dir: Path, base: dict[str, Stored]) -> tuple[str, str, bool]:
+    """(input embedding weight, output embedding weight, tied): the usual names, else from the architecture
+    (importing transformers costs ~150 MB, which the merge otherwise never needs)."""
+    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+    embed = next((name for name in EMBEDDINGS if name in base), None)
+    head = next((name for name in HEADS if name in base), None)
+    if embed is not None:
+        tied = bool(config.get("tie_word_embeddings", head is None))
+        return embed, head or "lm_head.weight", tied
     from pipeline.model import meta_model
 
     model = meta_model(base_dir)
     names = {id(m): n for n, m in model.named_modules()}
-    head = model.get_output_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return f"{names[id(model.get_input_embeddings())]}.weight", f"{names[id(head)]}.weight", tied
+    return (
+        f"{names[id(model.get_input_embeddings())]}.weight",
+        f"{names[id(model.get_output_embeddings())]}.weight",
+        tied,
+    )
 
 
 def _write_config(base_dir: Path, out: Path, rows: int, tied: bool, dtype: str) -> None:
@@ -244,9 +258,9 @@ def _write_config(base_dir: Path, out: Path, rows: int, tied: bool, dtype: str) 
 
 
 def _check_tokenizer(folder: Path, rows: int) -> int:
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.tokenizer import vocabulary_size
 
-    size = len(load_tokenizer(folder))
+    size = vocabulary_size(folder)
     if size > rows:
         raise ValueError(f"{folder}: tokenizer has {size} tokens, the merged embeddings only {rows} rows")
     return size
@@ -270,7 +284,7 @@ def merge(
     max_bytes = parse_size(max_shard_size)
     config, adapter = read_adapter(adapter_dir)
     base = base_tensors(base_dir)
-    embed, head, tied = _embedding_names(base_dir)
+    embed, head, tied = _embedding_names(base_dir, base)
     plan = plan_merge(config, adapter, base, tied, embed, head)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)

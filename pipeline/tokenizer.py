@@ -33,6 +33,18 @@ def load_tokenizer(path: Path, gguf_file: str | None = None):
     return tokenizer
 
 
+def vocabulary_size(folder: Path) -> int:
+    """len(tokenizer) without loading it: the highest id in tokenizer.json (vocabulary and added tokens) + 1;
+    folders with only a SentencePiece model are loaded."""
+    path = Path(folder) / HF_TOKENIZER
+    if not path.is_file():
+        return len(load_tokenizer(folder))
+    data = json.loads(path.read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
+    return max([*ids, *(t["id"] for t in data.get("added_tokens", []))]) + 1
+
+
 def save_tokenizer(tokenizer, dst: Path, source: Path) -> None:
     """save_pretrained, keeping the SentencePiece model beside it when the source has one."""
     tokenizer.save_pretrained(str(dst))
