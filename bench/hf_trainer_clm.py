@@ -19,6 +19,7 @@ def main() -> None:
     for name in ("base", "dataset", "ds-config", "out"):
         parser.add_argument(f"--{name}", type=Path, required=True)
     parser.add_argument("--vocab-rows", type=int, required=True)
+    parser.add_argument("--modules-to-save", nargs="*", default=[])
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--accumulation", type=int, required=True)
     args = parser.parse_args()
@@ -29,11 +30,12 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator
 
     model = AutoModelForCausalLM.from_pretrained(args.base, dtype=torch.float32)
-    model.resize_token_embeddings(args.vocab_rows)
+    if args.vocab_rows != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(args.vocab_rows)
     lora = LoraConfig(
-        r=8, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM", modules_to_save=["embed_tokens", "lm_head"],
+        r=8, lora_alpha=16, lora_dropout=0.05, task_type="CAUSAL_LM", modules_to_save=args.modules_to_save or None,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        ensure_weight_tying=bool(model.config.tie_word_embeddings),
+        ensure_weight_tying=bool(model.config.tie_word_embeddings and args.modules_to_save),
     )  # fmt: skip
     model = get_peft_model(model, lora)
     data = load_from_disk(str(args.dataset))

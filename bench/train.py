@@ -24,7 +24,8 @@ ARTIFACTS = Path("artifacts")
 
 def ours(workdir: Path) -> dict:
     raw = config.compose("conf", [
-        f"train.max_steps={STEPS}", "train.warmup_steps=2", f"train.gradient_accumulation_steps={ACCUMULATION}",
+        f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.lr=2e-4",
+        f"train.gradient_accumulation_steps={ACCUMULATION}",
         f"train.global_batch_size={ACCUMULATION * RANKS}", f"launcher.ranks_per_node={RANKS}", "deepspeed=zero2",
         "train.precision=fp32", "train.gradient_checkpointing=false", f"train.eval_every={STEPS}",
         f"train.save_every={STEPS}", "train.eval_max_rows=2", "tracking.uri=",
@@ -51,6 +52,7 @@ def reference(workdir: Path) -> dict:
         "deepspeed", "--num_gpus", str(RANKS), "--master_port", "29531", "bench/hf_trainer_clm.py",
         "--base", "artifacts/base", "--dataset", "artifacts/dataset", "--ds-config", str(workdir / "ds_config.json"),
         "--out", str(workdir), "--vocab-rows", str(vocab_rows), "--steps", str(STEPS),
+        "--modules-to-save", *config.compose("conf", [])["lora"]["modules_to_save"],
         "--accumulation", str(ACCUMULATION),
     ], check=True, env=env)  # fmt: skip
     return json.loads((workdir / "reference.json").read_text())
