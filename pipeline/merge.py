@@ -191,7 +191,7 @@ def write_merged(out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max
 
     def produce(key: str) -> torch.Tensor:
         value = _merged_tensor(key, sources[key], plan)
-        if not all(torch.isfinite(block).all() for block in value.view(-1).split(1 << 20)):
+        if not safetensors_stream.all_finite(value):
             raise ValueError(f"merged tensor {key} holds NaN or Inf")
         return value.to(kind)
 

@@ -16,6 +16,11 @@ import torch
 CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
 
 
+def all_finite(tensor: torch.Tensor, block: int = 1 << 20) -> bool:
+    """No NaN or Inf, checked a block at a time (isfinite on a whole tensor allocates a copy of it)."""
+    return all(torch.isfinite(part).all() for part in tensor.reshape(-1).split(block))
+
+
 def raw_bytes(tensor: torch.Tensor):
     """The tensor's bytes as a buffer (no copy when it is already contiguous)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
