@@ -45,6 +45,7 @@ def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     (root / "data/tiny/train.txt").write_text("\n".join(peoples_daily[:300]) + "\n", encoding="utf-8")
     (root / "data/tiny/heldout.txt").write_text("\n".join(peoples_daily[-50:]) + "\n", encoding="utf-8")
     tiny = {
+        "defaults": [{"override /tokenizer": "extend_zh"}],  # the vocabulary extension (experiment extend_vocab)
         "model": {"path": str(tiny_base_dir)},
         "corpus": {"wiki_max_chars": 2000, "sft_train_examples": 20, "chat_train_examples": 10},
         "tokenizer": {"vocab_size": 600},
