@@ -40,8 +40,6 @@ def _merge(args: argparse.Namespace) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    import torch
-
     from pipeline import evaluate as ev
     from pipeline.tokenizer import load_tokenizer
 
@@ -49,9 +47,7 @@ def _evaluate(args: argparse.Namespace) -> None:
         raise ValueError(f"--stride: must be <= --context ({args.context}), got {args.stride}")
     tokenizer = load_tokenizer(args.tokenizer or args.adapter or args.model)
     examples = ev.load_examples(tokenizer, args.file, args.template, args.max_bytes, args.context, "--file")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    model = ev.load_model(args.model, args.adapter, dtype, device)
+    model = ev.load_model(args.model, args.adapter)
     ev.check_vocabulary(tokenizer, model, str(args.tokenizer or args.adapter or args.model))
     result = ev.score(model, examples, args.context, args.stride, args.batch_size).as_dict()
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))

@@ -94,9 +94,12 @@ def windows(example: Example, context: int, stride: int) -> list[tuple[list[int]
     return out
 
 
-def score(model, examples: list[Example], context: int, stride: int, batch_size: int, progress=None) -> Score:
-    """Sum of -log p over scored tokens, batched by length, in inference mode."""
+def score(model, examples: list[Example], context: int, stride: int, batch_size: int, desc: str | None = None) -> Score:
+    """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`)."""
+    from tqdm import tqdm
+
     items = sorted((w for e in examples for w in windows(e, context, stride)), key=lambda w: -len(w[0]))
+    bar = tqdm(total=len(items), desc=desc, disable=desc is None, dynamic_ncols=True)
     device = next(model.parameters()).device
     nll, tokens = 0.0, 0
     with torch.inference_mode():
@@ -112,8 +115,8 @@ def score(model, examples: list[Example], context: int, stride: int, batch_size:
             targets = labels.to(device)
             nll += float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="sum"))
             tokens += int((targets != IGNORE_INDEX).sum())
-            if progress is not None:
-                progress(len(batch))
+            bar.update(len(batch))
+    bar.close()
     return Score(nll, tokens, sum(e.nbytes for e in examples))
 
 
@@ -130,10 +133,13 @@ def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int) ->
     return texts
 
 
-def load_model(model_dir: Path, adapter_dir: Path | None, dtype: torch.dtype, device: str):
-    """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first)."""
+def load_model(model_dir: Path, adapter_dir: Path | None):
+    """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), on the
+    GPU in bf16 where there is one that has it, else in fp32."""
     from transformers import AutoModelForCausalLM
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json; expected an HF model folder")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -108,8 +108,9 @@ def _check_same(values: dict[Path, object], what: str) -> object:
     return next(iter(values.values()))
 
 
-def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, int | None, list[list[torch.Tensor]], list | None]:
-    """(stage, world size, version, step, per-rank fp32 partition groups, alignment paddings), checked."""
+def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, list[list[torch.Tensor]], list | None]:
+    """(stage, world size, version, per-rank fp32 partition groups, alignment paddings), checked (the optimizer
+    step must agree across ranks too)."""
     states = {p: _load(p) for p in paths.values()}
     inner = {p: s.get("optimizer_state_dict") for p, s in states.items()}
     for path, osd in inner.items():
@@ -119,7 +120,7 @@ def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, int | None, list
     counts = {p: o.get("partition_count") for p, o in inner.items()}
     world = _check_same({p: max(c) if isinstance(c, list) else c for p, c in counts.items()}, "partition_count")
     version = _check_same({p: str(s.get("ds_version")) for p, s in states.items()}, "ds_version")
-    step = _check_same({p: _optimizer_step(o) for p, o in inner.items()}, "optimizer step")
+    _check_same({p: _optimizer_step(o) for p, o in inner.items()}, "optimizer step")
     missing = sorted(set(range(world)) - set(paths))
     if missing or len(paths) != world:
         raise ValueError(
@@ -133,7 +134,7 @@ def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, int | None, list
         if key not in osd:
             raise ValueError(f"{paths[rank]}: no '{key}' (fp32 master partitions) in the optimizer shard")
         groups.append(list(osd[key]))
-    return stage, world, version, step, groups, inner[paths[0]].get("param_alignment_paddings")
+    return stage, world, version, groups, inner[paths[0]].get("param_alignment_paddings")
 
 
 def _param_shapes(model_state: dict, path: Path) -> list[dict[str, torch.Size]]:
@@ -272,7 +273,7 @@ def _masters(tag_dir: Path, shards: dict, first_path: Path, first: dict, models:
     if not shards["optim"]:
         world = int(first.get("dp_world_size", 1))
         return _zero0(first, first_path), Source(tag_dir.name, 0, world, str(first.get("ds_version")), steps)
-    stage, world, version, _, groups, paddings = _read_optim(shards["optim"])
+    stage, world, version, groups, paddings = _read_optim(shards["optim"])
     _check_same({first_path: str(first.get("ds_version")), shards["optim"][0]: version}, "ds_version")
     shapes = _param_shapes(first, first_path)
     if stage == 3:

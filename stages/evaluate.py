@@ -11,16 +11,11 @@ from stages.common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
-    import torch
-    from tqdm import tqdm
-
     from pipeline import evaluate as ev
     from pipeline.tokenizer import load_tokenizer
     from pipeline.tracking import open_run
 
     e = cfg.eval
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     models = {
         "base": (args.base, None, args.base_tokenizer),
         "adapter": (args.base, args.adapter, args.adapter),
@@ -38,12 +33,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             s: ev.load_examples(tokenizer, Path(p), cfg.data.prompt_template, e.max_bytes, e.context, f"eval.sets.{s}")
             for s, p in e.sets.items()
         }
-        model = ev.load_model(folder, adapter, dtype, device)
+        model = ev.load_model(folder, adapter)
         ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
         for set_name, examples in sets.items():
-            total = sum(len(ev.windows(x, e.context, e.stride)) for x in examples)
-            with tqdm(total=total, desc=f"evaluate {name}/{set_name}", dynamic_ncols=True) as bar:
-                scored = ev.score(model, examples, e.context, e.stride, e.batch_size, bar.update)
+            scored = ev.score(model, examples, e.context, e.stride, e.batch_size, f"evaluate {name}/{set_name}")
             results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
         samples[name] = ev.greedy_samples(model, tokenizer, e.prompts, e.max_new_tokens)
         del model

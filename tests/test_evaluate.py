@@ -52,7 +52,7 @@ def test_score_with_one_window_equals_a_plain_forward(tiny_model):
     assert math.isclose(Score(2.0, 4, 8).as_dict()["perplexity"], math.exp(0.5))
 
 
-def test_batching_and_stride_do_not_change_a_disjoint_score(tiny_model):
+def test_batching_does_not_change_the_score(tiny_model):
     examples = [Example(list(range(5, 5 + n)), [False] + [True] * (n - 1), n) for n in (7, 40, 23)]
     one = score(tiny_model, examples, 16, 16, 1)
     batched = score(tiny_model, examples, 16, 16, 3)
