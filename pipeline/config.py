@@ -152,6 +152,7 @@ class MergeConfig(Section):
 class TrackingConfig(Section):
     uri: str
     experiment: str
+    register_model: str | None = Field(min_length=1)
 
 
 class LauncherConfig(Section):

@@ -44,6 +44,8 @@ def find_adapter_config(checkpoint_dir: Path, tag: str, explicit: Path | None) -
             config = json.loads(path.read_text(encoding="utf-8"))
             if config.get("peft_type") != "LORA":
                 raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+            if isinstance(config.get("target_modules"), list):  # a set in PEFT: its saved order varies per process
+                config["target_modules"] = sorted(config["target_modules"])
             return config
     raise FileNotFoundError(
         f"{' or '.join(map(str, candidates))}: no LoRA adapter config; pass --adapter-config FILE "

@@ -1,4 +1,4 @@
-"""MLflow tracking for the stages (global rank 0 only): one run shared through a run-id file, never fatal."""
+"""MLflow tracking: one run per pipeline execution, shared by its stages through a run-id file; never fatal."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -32,6 +32,7 @@ HTTP_DEFAULTS = {
 # deadlock gets it at once; those are retried with backoff 0.1, 0.2 ... 2 s while less than this has passed.
 LOCK_PATIENCE_S = 10.0
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")
+SQLITE = "sqlite:///"
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -60,6 +61,18 @@ def _render(value: object) -> str:
     return str(value)
 
 
+def numeric_leaves(figures: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """Nested figures -> {"eval.in_domain.base.perplexity": 22.4}: numbers only (no booleans, strings or None)."""
+    flat: dict[str, float] = {}
+    for name, value in figures.items():
+        key = f"{prefix}{_BAD_KEY_CHARS.sub('_', str(name))}"
+        if isinstance(value, Mapping):
+            flat.update(numeric_leaves(value, f"{key}."))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            flat[key] = float(value)
+    return flat
+
+
 def runtime_tags(cwd: Path | None = None) -> dict[str, str]:
     """Installed versions of the training stack, and the git commit and dirtiness of `cwd` (tracked files only)."""
     tags = {}
@@ -85,10 +98,11 @@ def _git(args: list[str], cwd: Path | None) -> str | None:
 class Tracker:
     """One MLflow run, logged through an explicit MlflowClient; after the first failure every call is a no-op."""
 
-    def __init__(self, client: Any = None, run_id: str | None = None, uri: str = "") -> None:
+    def __init__(self, client: Any = None, run_id: str | None = None, uri: str = "", missing: str | None = None):
         self.client = client
         self.run_id = run_id
         self.uri = uri
+        self.missing = missing  # why this execution has no run (None: it has one, or tracking is off)
         self.closed = False
 
     @property
@@ -102,7 +116,9 @@ class Tracker:
         def log() -> None:
             from mlflow.entities import Param
 
-            self.client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()])
+            items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
+            for start in range(0, len(items), 100):  # MLflow takes at most 100 params a batch
+                self.client.log_batch(self.run_id, params=items[start : start + 100])
 
         self._call("log_params", log)
 
@@ -117,14 +133,19 @@ class Tracker:
         self._call("set_tags", log)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log metrics in one batch, at `step` (0 when None)."""
+        """Log metrics at `step` (0 when None)."""
+        self.log_series({k: {step or 0: v} for k, v in metrics.items()})
+
+    def log_series(self, series: Mapping[str, Mapping[int, float]]) -> None:
+        """Log whole metric histories: {"loss": {1: 3.1, 2: 2.9}} (one value per step)."""
 
         def log() -> None:
             from mlflow.entities import Metric
 
             now = int(time.time() * 1000)
-            items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
-            self.client.log_batch(self.run_id, metrics=items)
+            items = [Metric(k, float(v), now, step) for k, by_step in series.items() for step, v in by_step.items()]
+            for start in range(0, len(items), 1000):  # MLflow takes at most 1000 metrics a batch
+                self.client.log_batch(self.run_id, metrics=items[start : start + 1000])
 
         self._call("log_metrics", log)
 
@@ -139,6 +160,36 @@ class Tracker:
                 self.client.log_artifact(self.run_id, str(local), artifact_path)
 
         self._call("log_artifact", upload)
+
+    def logged(self) -> tuple[dict[str, float], dict[str, str]]:
+        """The run's latest metric values and its tags, as MLflow has them ({} and {} when disabled)."""
+        found: list = []
+        self._call("get_run", lambda: found.append(self.client.get_run(self.run_id).data))
+        return (found[0].metrics, found[0].tags) if found else ({}, {})
+
+    def logged_steps(self, key: str) -> set[int]:
+        """The steps at which metric `key` was logged."""
+        found: list = []
+        self._call("get_metric_history", lambda: found.extend(self.client.get_metric_history(self.run_id, key)))
+        return {m.step for m in found}
+
+    def register_model(self, name: str, artifact_path: str) -> str | None:
+        """Register the run's artifact folder `artifact_path` as a new version of model `name`; its version."""
+        versions: list = []
+
+        def register() -> None:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self.client.create_registered_model(name)
+            except MlflowException as err:
+                if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            source = f"{self.client.get_run(self.run_id).info.artifact_uri}/{artifact_path}"
+            versions.append(self.client.create_model_version(name, source, run_id=self.run_id).version)
+
+        self._call("register_model", register)
+        return str(versions[0]) if versions else None
 
     def close(self, status: str = "FINISHED") -> None:
         """End the run with `status` (FINISHED, FAILED or KILLED); later calls are no-ops."""
@@ -162,47 +213,89 @@ class Tracker:
             self.client = None
 
 
-def open_run(uri: str, experiment: str, run_id_file: Path, run_name: str | None = None) -> Tracker:
-    """Re-open the run named in `run_id_file` (same URI and experiment), else start one and record its id there."""
+def open_run(
+    uri: str,
+    experiment: str,
+    run_id_file: Path,
+    execution: str | None = None,
+    run_name: str | None = None,
+    parent_run_id: str | None = None,
+    root: Path | None = None,
+) -> Tracker:
+    """The run of pipeline execution `execution`: the one `run_id_file` records for it, else a new one (recorded
+    there). A relative SQLite path is taken from `root` (default: the current folder). When MLflow cannot be
+    reached the file marks the execution's run missing: one warning, and its later stages do not try again."""
     if not uri:
         return Tracker()
     for name, value in HTTP_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    uri = _resolve(uri)
+    uri = resolve_uri(uri, root or Path.cwd())
     run_id_file = Path(run_id_file)
+    recorded = _read_record(run_id_file)
+    same_execution = recorded.get("execution") == execution and recorded.get("tracking_uri") == _redact(uri)
+    if same_execution and recorded.get("missing"):
+        return Tracker(uri=uri, missing=recorded["missing"])
     try:
         from mlflow import MlflowClient
 
-        client = MlflowClient(tracking_uri=uri)
-        run_id = _retry_locked(lambda: _reopen(client, uri, experiment, run_id_file))
-        if run_id is None:
-            run_id = _retry_locked(lambda: _create(client, experiment, run_name))
-            write_json(run_id_file, {"run_id": run_id, "tracking_uri": _redact(uri)})
+        with _store_lock(uri):
+            client = MlflowClient(tracking_uri=uri)
+            run_id = _retry_locked(lambda: _reopen(client, experiment, recorded["run_id"])) if same_execution else None
+            if run_id is None:
+                if recorded.get("run_id") and recorded.get("tracking_uri") == _redact(uri):
+                    _retry_locked(lambda: _end_interrupted(client, recorded["run_id"]))
+                tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+                run_id = _retry_locked(lambda: _create(client, experiment, run_name, tags, _artifact_root(uri)))
     except Exception as err:  # tracking must never stop training
         _warn(f"cannot open a run on {_redact(uri)}", err)
-        return Tracker()
+        reason = f"{type(err).__name__} on {_redact(uri)}"
+        write_json(run_id_file, {"execution": execution, "missing": reason, "tracking_uri": _redact(uri)})
+        return Tracker(uri=uri, missing=reason)
+    write_json(run_id_file, {"execution": execution, "run_id": run_id, "tracking_uri": _redact(uri)})
     return Tracker(client, run_id, uri)
 
 
-def _resolve(uri: str) -> str:
-    """Make a relative SQLite path absolute: MLflow caches stores by URI, whatever the current folder."""
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and not uri.startswith(prefix + ":memory:"):
-        return prefix + str(Path(uri.removeprefix(prefix)).resolve())
+def resolve_uri(uri: str, root: Path) -> str:
+    """Make a relative SQLite path absolute under `root`: MLflow caches stores by URI, whatever the current folder."""
+    path = uri.removeprefix(SQLITE)
+    if uri.startswith(SQLITE) and not path.startswith("/") and path != ":memory:":
+        return SQLITE + str((root / path).resolve())
     return uri
 
 
-def _reopen(client: Any, uri: str, experiment: str, run_id_file: Path) -> str | None:
-    """The recorded run's id, set back to RUNNING, if it is alive in `experiment` on `uri`; else None."""
-    from mlflow.exceptions import MlflowException
-
+def _read_record(run_id_file: Path) -> dict:
     try:
         recorded = json.loads(run_id_file.read_text(encoding="utf-8"))
-        run_id, recorded_uri = str(recorded["run_id"]), recorded["tracking_uri"]
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def _artifact_root(uri: str) -> str | None:
+    """Artifacts of a SQLite store go beside the database (`mlartifacts/`), not below the current folder."""
+    if not uri.startswith(SQLITE) or uri.endswith(":memory:"):
         return None
-    if recorded_uri != _redact(uri):
-        return None
+    return (Path(uri.removeprefix(SQLITE)).parent / "mlartifacts").as_uri()
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Serialise the opening of a SQLite store: two processes creating its tables at once collide."""
+    if not uri.startswith(SQLITE) or uri.endswith(":memory:"):
+        yield
+        return
+    from filelock import FileLock
+
+    database = Path(uri.removeprefix(SQLITE))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{database}.lock", timeout=120):
+        yield
+
+
+def _reopen(client: Any, experiment: str, run_id: str) -> str | None:
+    """`run_id`, set back to RUNNING, if it is alive in `experiment`; else None."""
+    from mlflow.exceptions import MlflowException
+
     try:
         run = client.get_run(run_id)
     except MlflowException as err:
@@ -215,21 +308,34 @@ def _reopen(client: Any, uri: str, experiment: str, run_id_file: Path) -> str | 
     return run_id
 
 
-def _create(client: Any, experiment: str, run_name: str | None) -> str:
+def _end_interrupted(client: Any, run_id: str) -> None:
+    """A run an earlier execution left RUNNING was interrupted (killed, or stopped by a failure outside a stage)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status="KILLED")
+    except MlflowException as err:
+        if err.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
+
+
+def _create(client: Any, experiment: str, run_name: str | None, tags: dict, artifact_root: str | None) -> str:
     """Start a run in `experiment`, creating the experiment if needed (tolerating a concurrent creator)."""
     from mlflow.exceptions import MlflowException
 
     found = client.get_experiment_by_name(experiment)
     if found is None:
+        location = f"{artifact_root}/{_BAD_KEY_CHARS.sub('_', experiment)}" if artifact_root else None
         try:
-            experiment_id = client.create_experiment(experiment)
+            experiment_id = client.create_experiment(experiment, artifact_location=location)
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             experiment_id = client.get_experiment_by_name(experiment).experiment_id
     else:
         experiment_id = found.experiment_id
-    return client.create_run(experiment_id, run_name=run_name).info.run_id
+    return client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
 
 def _retry_locked(action: Callable[[], T]) -> T:

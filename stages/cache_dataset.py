@@ -15,7 +15,7 @@ from stages.common import run
 REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     d = cfg.data
     positions = json.loads(args.base_config.read_text(encoding="utf-8"))["max_position_embeddings"]
     key, length = ("data.block_size", d.block_size) if d.format == "text" else ("data.max_seq_len", d.max_seq_len)
@@ -34,8 +34,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     seconds = time.perf_counter() - start
     with atomic_path(args.out) as tmp:
         save_splits(tmp, tables)
-    write_json(args.metrics, {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()})
+    metrics = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
+    write_json(args.metrics, metrics)
     print(f"cache_dataset: {stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
+    return metrics
 
 
 if __name__ == "__main__":
@@ -44,4 +46,4 @@ if __name__ == "__main__":
     parser.add_argument("--base-config", type=Path, required=True, help="base model config.json")
     parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
-    run(main, parser)
+    run(main, parser, prefix="dataset")

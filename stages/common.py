@@ -1,16 +1,93 @@
-"""What every stage entry point shares: argument parsing and turning bad input into a clean exit."""
+"""What every stage entry point shares: argument parsing, the pipeline execution's MLflow run, and turning bad input
+into a clean exit."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from pipeline import config
 from pipeline.cli import guarded
+from pipeline.tracking import Tracker, flatten, numeric_leaves, open_run, runtime_tags
+
+EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
+PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipelines' runs become child runs
+RUN_ID_FILE = Path("logs/mlflow_run.json")
+
+Main = Callable[[argparse.Namespace, config.Config], "dict | None"]
 
 
-def run(main: Callable[[argparse.Namespace, config.Config], None], parser: argparse.ArgumentParser) -> None:
-    """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2."""
+def execution_id() -> str:
+    """The pipeline execution this process belongs to: $PIPELINE_EXECUTION, else the nearest `dvc` ancestor process
+    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time."""
+    if os.environ.get(EXECUTION_ENV):
+        return os.environ[EXECUTION_ENV]
+    import psutil
+
+    parent = node = psutil.Process().parent()
+    while node is not None:
+        try:
+            argv = node.cmdline()
+        except psutil.Error:
+            break
+        if any(Path(arg).name == "dvc" for arg in argv[:3]):
+            return f"dvc-{node.pid}-{node.create_time():.3f}"
+        node = node.parent()
+    return f"process-{parent.pid}-{parent.create_time():.3f}" if parent else f"process-{os.getpid()}"
+
+
+def stage_name(default: str) -> str:
+    """The DVC stage running this process ($DVC_STAGE), else `default`."""
+    return os.environ.get("DVC_STAGE") or default
+
+
+def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
+    """Open (or join) the MLflow run of this pipeline execution; child processes started afterwards join it too.
+    A relative SQLite store lives in the main workspace ($DVC_ROOT), also for experiments DVC runs in a copy."""
+    os.environ[EXECUTION_ENV] = execution = execution_id()
+    return open_run(
+        cfg.tracking.uri,
+        cfg.tracking.experiment,
+        run_id_file,
+        execution,
+        run_name=os.environ.get("DVC_EXP_NAME"),
+        parent_run_id=os.environ.get(PARENT_RUN_ENV),
+        root=Path(os.environ.get("DVC_ROOT") or Path.cwd()),
+    )
+
+
+def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) -> None:
+    """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2.
+
+    With `prefix`, the stage logs into the pipeline's MLflow run: the flat config, runtime tags, `stage.NAME=ran`,
+    its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if `main` raises)."""
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
+    if prefix is not None:
+        parser.add_argument("--run-id-file", type=Path, default=RUN_ID_FILE, help="the pipeline's MLflow run id")
     args = parser.parse_args()
-    guarded(lambda: main(args, config.load(args.params)))
+
+    def tracked() -> None:
+        cfg = config.load(args.params)
+        if prefix is None:
+            main(args, cfg)
+            return
+        name = stage_name(prefix)
+        with pipeline_run(cfg, args.run_id_file) as tracker:
+            tracker.log_params(flatten(cfg.model_dump()))
+            tracker.set_tags({**runtime_tags(), **dvc_tags(), f"stage.{name}": "ran"})
+            start = time.perf_counter()
+            figures = main(args, cfg) or {}
+            tracker.log_metrics(
+                {**numeric_leaves(figures, f"{prefix}."), f"seconds.{name}": time.perf_counter() - start}
+            )
+
+    guarded(tracked)
+
+
+def dvc_tags() -> dict[str, str]:
+    """The DVC experiment this execution belongs to, where there is one."""
+    names = {"DVC_EXP_NAME": "dvc.experiment", "DVC_EXP_BASELINE_REV": "dvc.baseline"}
+    return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}

@@ -1,5 +1,5 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts, all logged to the pipeline's MLflow run."""
+greedy samples from fixed prompts."""
 
 import argparse
 import json
@@ -10,10 +10,9 @@ from pipeline.atomic import atomic_path, write_json
 from stages.common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     from pipeline import evaluate as ev
     from pipeline.tokenizer import load_tokenizer
-    from pipeline.tracking import open_run
 
     e = cfg.eval
     models = {
@@ -51,18 +50,13 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         lines += [f"## {prompt}", "", *answers, ""]
     with atomic_path(args.samples) as tmp:
         tmp.write_text("\n".join(lines), encoding="utf-8")
-    with open_run(cfg.tracking.uri, cfg.tracking.experiment, args.run_id_file) as tracker:
-        tracker.log_metrics(
-            {f"eval.{s}.{m}.{k}": v for s, by in results.items() for m, f in by.items() for k, v in f.items()}
-        )
-        for path in (args.metrics, args.plot, args.samples):
-            tracker.log_artifact(path, "evaluate")
     print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8} {'bytes':>8}")
     for s, by in results.items():
         for m, v in by.items():
             print(
                 f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8} {v['bytes']:>8}"
             )
+    return results
 
 
 if __name__ == "__main__":
@@ -75,7 +69,6 @@ if __name__ == "__main__":
         ("metrics", "eval.json to write"),
         ("plot", "CSV of bits per byte per set and model (a DVC plot)"),
         ("samples", "Markdown file of greedy samples"),
-        ("run-id-file", "the pipeline's MLflow run id"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
-    run(main, parser)
+    run(main, parser, prefix="eval")

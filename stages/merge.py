@@ -9,15 +9,17 @@ from pipeline.merge import merge
 from stages.common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     m = cfg.merge
     report = merge(
         args.base, args.adapter, args.out, m.dtype, m.max_shard_size, m.verify, m.max_abs_logit_diff, m.max_kl
     )
-    write_json(args.metrics, {"vocab_rows": report["vocab_rows"], **report.get("verification", {})})
+    metrics = {"vocab_rows": report["vocab_rows"], **report.get("verification", {})}
+    write_json(args.metrics, metrics)
     for note in report["notes"]:
         print(f"merge: note: {note}")
     print(f"merge: {report}")
+    return metrics
 
 
 if __name__ == "__main__":
@@ -26,4 +28,4 @@ if __name__ == "__main__":
     parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
     parser.add_argument("--out", type=Path, required=True, help="merged model folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="verification figures (DVC metrics)")
-    run(main, parser)
+    run(main, parser, prefix="merge")

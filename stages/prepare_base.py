@@ -8,15 +8,16 @@ from pipeline.base_model import import_base
 from stages.common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     summary = import_base(
         assets.resolve(cfg.model.path), args.out, args.tokenizer_out, cfg.model.dtype, cfg.model.max_shard_size
     )
     print(f"prepare_base: {summary}")
+    return summary
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="HF model folder to write")
     parser.add_argument("--tokenizer-out", type=Path, required=True, help="copy of the base tokenizer alone")
-    run(main, parser)
+    run(main, parser, prefix="base")

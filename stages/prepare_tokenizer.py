@@ -12,7 +12,7 @@ from pipeline.tokenizer import META, load_tokenizer, round_up, tokens_per_char, 
 from stages.common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     t = cfg.tokenizer
     base = load_tokenizer(args.base)
     heldout = read_texts(t.heldout_file)
@@ -40,6 +40,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         write_json(tmp / META, {"extended": t.extend, **metrics})
     write_json(args.metrics, metrics)
     print(f"prepare_tokenizer: {metrics}")
+    return metrics
 
 
 if __name__ == "__main__":
@@ -47,4 +48,4 @@ if __name__ == "__main__":
     parser.add_argument("--base", type=Path, required=True, help="base tokenizer folder")
     parser.add_argument("--out", type=Path, required=True, help="tokenizer folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
-    run(main, parser)
+    run(main, parser, prefix="tokenizer")

@@ -63,7 +63,7 @@ def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> l
     return command + ["--module", "stages.train_worker", *worker_args]
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> None:
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     t, ds, launcher, lora = cfg.train, cfg.deepspeed, cfg.launcher, cfg.lora
     accelerator = dsc.accelerator_name(launcher.accelerator)
     dsc.check_precision(t.precision, accelerator)
@@ -101,8 +101,6 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     }
     resume_from = Path(t.resume_from) if t.resume_from else None
     prepare_checkpoints(args.checkpoints, run_state, resume_from, world, ds.stage)
-    if latest_tag(args.checkpoints) is None:
-        args.run_id_file.unlink(missing_ok=True)  # a fresh training is a fresh MLflow run
     tokenizer = load_tokenizer(args.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     write_json(args.checkpoints / "run.json", {**run_state, "pad_token_id": pad or 0})
@@ -127,6 +125,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+    return json.loads(args.metrics.read_text(encoding="utf-8"))
 
 
 if __name__ == "__main__":
@@ -138,8 +137,7 @@ if __name__ == "__main__":
         ("checkpoints", "DeepSpeed checkpoint folder (kept across runs: resume)"),
         ("metrics", "training metrics JSON to write"),
         ("curve", "per-step CSV to write (a DVC plot)"),
-        ("run-id-file", "where the MLflow run id is kept for later stages"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
     parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
-    run(main, parser)
+    run(main, parser, prefix="train")

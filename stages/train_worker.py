@@ -19,7 +19,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     from pipeline import trainer
     from pipeline.atomic import atomic_path, write_json
     from pipeline.model import count_parameters, load_lora_model, parameter_groups
-    from pipeline.tracking import flatten, open_run, runtime_tags
+    from stages.common import pipeline_run
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -48,9 +48,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     if rank == 0:
         from tqdm import tqdm
 
-        tracker = open_run(cfg.tracking.uri, cfg.tracking.experiment, args.run_id_file)
-        tracker.log_params(flatten(cfg.model_dump()))
-        tracker.set_tags({**runtime_tags(), "world_size": str(world), "zero_stage": str(cfg.deepspeed.stage)})
+        tracker = pipeline_run(cfg, args.run_id_file)  # the train stage opened it: params and tags are there
+        tracker.set_tags({"world_size": str(world), "zero_stage": str(cfg.deepspeed.stage)})
         print(f"train: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)", flush=True)
         bar = tqdm(total=t.max_steps, desc="train", dynamic_ncols=True)
 
@@ -91,7 +90,6 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     }
     write_json(args.metrics, metrics)
     trainer.write_curve(args.curve, history)
-    tracker.log_metrics({k: v for k, v in metrics.items() if isinstance(v, int | float) and v is not None})
     tracker.close()
     print(f"train: {json.dumps(metrics)}", flush=True)
 

@@ -37,24 +37,10 @@ def sp_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
     """A tiny random LLaMA with SmolLM2's tokenizer, saved as a plain HF safetensors folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pipeline.base_model import write_tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    out = tmp_path_factory.mktemp("tiny_base")
-    LlamaForCausalLM(config).save_pretrained(str(out))
-    for item in smol_tokenizer_dir.iterdir():
-        shutil.copy(item, out / item.name)
+    out = tmp_path_factory.mktemp("tiny_base") / "model"
+    write_tiny_llama(out, smol_tokenizer_dir)
     return out
 
 

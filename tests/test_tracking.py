@@ -7,12 +7,23 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.tracking import HTTP_DEFAULTS, MAX_PARAM_VALUE, _retry_locked, flatten, open_run, runtime_tags
+from pipeline.tracking import (
+    HTTP_DEFAULTS,
+    MAX_PARAM_VALUE,
+    _retry_locked,
+    flatten,
+    numeric_leaves,
+    open_run,
+    resolve_uri,
+    runtime_tags,
+)
+from tests.conftest import REPO
 
 URI = "sqlite:///mlruns.db"
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
@@ -65,6 +76,14 @@ def test_flatten_nested_config():
     assert long == ("[" + "x" * 5000 + ", " + "y" * 5000 + "]")[:MAX_PARAM_VALUE]
 
 
+def test_numeric_leaves_keep_numbers_only():
+    figures = {"in_domain": {"base": {"bits_per_byte": 2.8, "tokens": 9923}}, "precision": "fp32", "mfu": None}
+    assert numeric_leaves({**figures, "ok": True}, "eval.") == {
+        "eval.in_domain.base.bits_per_byte": 2.8,
+        "eval.in_domain.base.tokens": 9923.0,
+    }
+
+
 def test_runtime_tags_versions_and_git(tmp_path: Path):
     assert "version.mlflow" in runtime_tags(tmp_path)
     assert "git_commit" not in runtime_tags(tmp_path)  # not a repository
@@ -81,12 +100,13 @@ def test_runtime_tags_versions_and_git(tmp_path: Path):
     assert runtime_tags(tmp_path)["git_dirty"] == "true"
 
 
-def test_stages_share_one_run(tmp_path: Path):
+def test_stages_of_one_execution_share_one_run(tmp_path: Path):
     id_file = tmp_path / "out" / "run.json"
-    first = open_run(URI, "lora", id_file, run_name="smoke")
+    first = open_run(URI, "lora", id_file, "exec-1", run_name="smoke")
     assert not first.disabled
     recorded = json.loads(id_file.read_text())
-    assert recorded == {"run_id": first.run_id, "tracking_uri": f"sqlite:///{tmp_path / 'mlruns.db'}"}
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    assert recorded == {"execution": "exec-1", "run_id": first.run_id, "tracking_uri": uri}
     first.log_params(flatten({"lora": {"r": 8}}))
     first.set_tags({"stage": "train"})
     first.log_metrics({"train/loss": 2.0, "lr": 1e-4}, step=1)
@@ -94,14 +114,16 @@ def test_stages_share_one_run(tmp_path: Path):
     first.close()
     assert client().get_run(first.run_id).info.status == "FINISHED"
 
-    second = open_run(URI, "lora", id_file)
+    second = open_run(URI, "lora", id_file, "exec-1")
     assert second.run_id == first.run_id
     assert client().get_run(second.run_id).info.status == "RUNNING"
     second.log_params({"lora.r": 8, "eval.context": 64})  # an equal value again is accepted
     second.set_tags({"stage": "evaluate"})
     second.log_metrics({"eval/ppl": 7.0})
+    second.log_series({"train/loss": {3: 1.2, 4: 1.1}})
     (tmp_path / "report.json").write_text("{}")
     second.log_artifact(tmp_path / "report.json", "eval")
+    assert second.logged()[0]["eval/ppl"] == 7.0 and second.logged_steps("train/loss") == {1, 2, 3, 4}
     second.close()
     assert not second.disabled
 
@@ -111,9 +133,22 @@ def test_stages_share_one_run(tmp_path: Path):
     assert run.data.params == {"lora.r": "8", "eval.context": "64"}
     assert run.data.tags["stage"] == "evaluate"
     history = client().get_metric_history(run.info.run_id, "train/loss")
-    assert sorted((m.step, m.value) for m in history) == [(1, 2.0), (2, 1.5)]
+    assert sorted((m.step, m.value) for m in history) == [(1, 2.0), (2, 1.5), (3, 1.2), (4, 1.1)]
     assert [(m.step, m.value) for m in client().get_metric_history(run.info.run_id, "eval/ppl")] == [(0, 7.0)]
     assert [a.path for a in client().list_artifacts(run.info.run_id, "eval")] == ["eval/report.json"]
+    artifact_root = (tmp_path / "mlartifacts").as_uri()
+    assert run.info.artifact_uri.startswith(artifact_root), "artifacts go beside the database"
+
+
+def test_next_execution_gets_a_new_run_and_ends_an_interrupted_one(tmp_path: Path):
+    id_file = tmp_path / "run.json"
+    interrupted = open_run(URI, "lora", id_file, "exec-1", parent_run_id="sweep-parent")  # never closed: killed
+    following = open_run(URI, "lora", id_file, "exec-2")
+    assert following.run_id != interrupted.run_id
+    assert client().get_run(interrupted.run_id).info.status == "KILLED"
+    assert client().get_run(interrupted.run_id).data.tags["mlflow.parentRunId"] == "sweep-parent"
+    assert json.loads(id_file.read_text())["execution"] == "exec-2"
+    following.close()
 
 
 def test_new_run_when_id_file_names_another_uri_experiment_or_a_deleted_run(tmp_path: Path):
@@ -141,10 +176,20 @@ def test_new_run_when_id_file_names_another_uri_experiment_or_a_deleted_run(tmp_
     assert not open_run(URI, "lora", id_file).disabled
 
 
-def test_unreachable_server_warns_once_and_goes_quiet(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+def test_relative_store_resolves_against_the_given_root(tmp_path: Path):
+    assert resolve_uri("sqlite:///mlruns.db", tmp_path) == f"sqlite:///{tmp_path / 'mlruns.db'}"
+    assert resolve_uri("sqlite:////abs/mlruns.db", tmp_path) == "sqlite:////abs/mlruns.db"
+    assert resolve_uri("http://host:5000", tmp_path) == "http://host:5000"
+    workspace = tmp_path / "workspace"
+    tracker = open_run(URI, "lora", tmp_path / "run.json", "exec-1", root=workspace)  # a queued experiment's copy
+    assert (workspace / "mlruns.db").is_file() and not tracker.disabled
+    tracker.close()
+
+
+def test_unreachable_server_warns_once_per_execution(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     id_file = tmp_path / "run.json"
-    tracker = open_run(UNREACHABLE, "lora", id_file)  # HTTP_DEFAULTS: 3 attempts, ~2 s in all
-    assert tracker.disabled
+    tracker = open_run(UNREACHABLE, "lora", id_file, "exec-1")  # HTTP_DEFAULTS: 3 attempts, ~2 s in all
+    assert tracker.disabled and tracker.missing == f"MlflowException on {UNREACHABLE}"
     tracker.log_params({"a": 1})
     tracker.set_tags({"b": "c"})
     tracker.log_metrics({"loss": 1.0}, step=1)
@@ -154,7 +199,15 @@ def test_unreachable_server_warns_once_and_goes_quiet(tmp_path: Path, capfd: pyt
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"tracking: cannot open a run on {UNREACHABLE} (")
     assert "Connection refused" in err and err.endswith("; going on without MLflow\n")
-    assert not id_file.exists()
+    assert json.loads(id_file.read_text())["missing"] == tracker.missing, "the execution's run is marked missing"
+
+    later_stage = open_run(UNREACHABLE, "lora", id_file, "exec-1")
+    assert later_stage.disabled and later_stage.missing == tracker.missing
+    assert capfd.readouterr().err == "", "later stages of the execution neither wait nor warn again"
+
+    back = open_run(URI, "lora", id_file, "exec-2")
+    assert not back.disabled and back.missing is None
+    back.close()
 
 
 def test_user_http_settings_are_kept(monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]):
@@ -215,3 +268,40 @@ def test_locked_database_is_retried():
     with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
         _retry_locked(broken)
     assert len(attempts) == 4  # other errors are not retried
+
+
+WRITER = """
+import sys
+from pathlib import Path
+from pipeline.tracking import open_run
+
+name, uri = sys.argv[1], sys.argv[2]
+tracker = open_run(uri, "lora", Path(name + ".json"), name, run_name=name)
+tracker.log_params({f"p{i}": i for i in range(50)})
+for step in range(1, 101):
+    tracker.log_metrics({"loss": 1.0 / step, "lr": 1e-4}, step=step)
+tracker.set_tags({"writer": name})
+tracker.close()
+assert not tracker.disabled, "a write was lost"
+"""
+
+
+def test_two_pipelines_log_to_one_new_store_at_once(tmp_path: Path):
+    uri = f"sqlite:///{tmp_path / 'fresh' / 'mlruns.db'}"  # not created yet: both race to create its tables
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, name, uri], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True
+        )
+        for name in ("left", "right")
+    ]
+    errors = [w.communicate(timeout=300)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    assert not any("tracking:" in e for e in errors), errors
+    store = MlflowClient(uri)
+    runs = store.search_runs([store.get_experiment_by_name("lora").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["left", "right"]
+    for run in runs:
+        assert len(run.data.params) == 50 and run.data.tags["writer"] == run.info.run_name
+        history = store.get_metric_history(run.info.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, 101)), "no metric lost"

@@ -1,0 +1,32 @@
+"""Stage consolidate: the newest complete DeepSpeed checkpoint -> a PEFT adapter folder (pipeline/consolidate.py)."""
+
+import argparse
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import write_json
+from pipeline.consolidate import consolidate
+from stages.common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+    manifest = consolidate(args.checkpoints, args.out, None, None)
+    source = manifest["source"]
+    metrics = {
+        "tensors": len(manifest["tensors"]),
+        "elements": manifest["elements"],
+        "step": source["step"],
+        "world_size": source["world_size"],
+        "zero_stage": source["zero_stage"],
+    }
+    write_json(args.metrics, metrics)
+    print(f"consolidate: {source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s)) -> {metrics}")
+    return metrics
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--checkpoints", type=Path, required=True, help="DeepSpeed checkpoint folder (holds latest)")
+    parser.add_argument("--out", type=Path, required=True, help="adapter folder to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
+    run(main, parser, prefix="consolidate")

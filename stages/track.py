@@ -1,0 +1,113 @@
+"""Stage track (the last one): complete the pipeline execution's MLflow run from the pipeline's files, whichever
+stages ran and whichever DVC restored from its cache: the flat config, every stage's metrics and the training curve
+where the run lacks them, DVC stage hashes, runtime tags, and as artifacts the config, dvc.lock, the adapter, the
+evaluation report, the samples and PNG plots; optionally a Model Registry version of the merged model. When MLflow
+was unreachable, `dvc repro -f track` logs the pipeline later."""
+
+import argparse
+import csv
+import hashlib
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from pipeline import config, plots
+from pipeline.tracking import flatten, numeric_leaves, runtime_tags
+from stages.common import RUN_ID_FILE, dvc_tags, pipeline_run, run, stage_name
+
+CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
+
+
+def stage_tags(lock: dict, logged_tags: dict[str, str]) -> dict[str, str]:
+    """`dvc.stage.NAME`: md5 of the stage's dvc.lock entry; `stage.NAME=cached` where it did not run this time."""
+    tags = {}
+    for name, entry in lock.get("stages", {}).items():
+        tags[f"dvc.stage.{name}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+        if logged_tags.get(f"stage.{name}") != "ran":
+            tags[f"stage.{name}"] = "cached"
+    return tags
+
+
+def missing_curve(curve_csv: Path, logged_steps: Callable[[str], set[int]]) -> dict[str, dict[int, float]]:
+    """The training curve's values at the steps the run lacks (train was cached, or resumed in an earlier run)."""
+    with open(curve_csv, encoding="utf-8", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    series = {}
+    for key in CURVE_KEYS:
+        have = logged_steps(key)
+        values = {int(r["step"]): float(r[key]) for r in rows if r.get(key) and int(r["step"]) not in have}
+        if values:
+            series[key] = values
+    return series
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    with pipeline_run(cfg, args.run_id_file) as tracker:
+        if tracker.disabled:
+            if tracker.missing:
+                print(
+                    f"tracking: this pipeline run is not in MLflow ({tracker.missing}); once the store is reachable, "
+                    "`dvc repro -f track` logs it from the pipeline's files",
+                    file=sys.stderr,
+                )
+            return
+        tracker.log_params(flatten(cfg.model_dump()))
+        logged_metrics, logged_tags = tracker.logged()
+        lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
+        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags), f"stage.{stage_name('track')}": "ran"}
+        tracker.set_tags(tags)
+        figures: dict[str, float] = {}
+        for prefix, path in args.metrics:
+            if path.is_file():
+                figures.update(numeric_leaves(json.loads(path.read_text(encoding="utf-8")), f"{prefix}."))
+        tracker.log_metrics({k: v for k, v in figures.items() if k not in logged_metrics})
+        if args.curve.is_file():
+            tracker.log_series(missing_curve(args.curve, tracker.logged_steps))
+        for path, folder in ((Path(args.params), "config"), (args.lock, "config"), (args.adapter, "adapter")):
+            if path.exists():
+                tracker.log_artifact(path, folder)
+        for path in (args.eval_table, args.samples, *(p for _, p in args.metrics)):
+            if path.is_file():
+                tracker.log_artifact(path, "metrics")
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.curve.is_file():
+                plots.training_curve(args.curve, Path(tmp) / "train_curve.png")
+            if args.eval_table.is_file():
+                plots.bits_per_byte(args.eval_table, Path(tmp) / "eval_bits_per_byte.png")
+            tracker.log_artifact(Path(tmp), "plots")
+        registered = ""
+        if cfg.tracking.register_model and args.merged.is_dir():
+            tracker.log_artifact(args.merged, "merged")
+            version = tracker.register_model(cfg.tracking.register_model, "merged")
+            registered = f"; merged model registered as {cfg.tracking.register_model} version {version}"
+        if not tracker.disabled:
+            ran = sorted(k.removeprefix("stage.") for k, v in {**logged_tags, **tags}.items() if v == "ran")
+            print(
+                f"track: MLflow run {tracker.run_id} on {cfg.tracking.uri} (stages run: {', '.join(ran)}){registered}"
+            )
+
+
+def metrics_file(text: str) -> tuple[str, Path]:
+    prefix, sep, path = text.partition("=")
+    if not sep or not prefix or not path:
+        raise argparse.ArgumentTypeError(f"expected PREFIX=PATH, got {text!r}")
+    return prefix, Path(path)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--lock", type=Path, required=True, help="dvc.lock (stage hashes; logged as an artifact)")
+    parser.add_argument(
+        "--metrics", type=metrics_file, nargs="+", required=True, help="PREFIX=PATH: a stage's metrics JSON"
+    )
+    parser.add_argument("--curve", type=Path, required=True, help="training curve CSV")
+    parser.add_argument("--eval-table", type=Path, required=True, help="bits per byte CSV")
+    parser.add_argument("--samples", type=Path, required=True, help="greedy samples (Markdown)")
+    parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
+    parser.add_argument("--merged", type=Path, required=True, help="merged model folder (registered on request)")
+    parser.add_argument("--run-id-file", type=Path, default=RUN_ID_FILE, help="the pipeline's MLflow run id")
+    run(main, parser)
