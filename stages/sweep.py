@@ -1,0 +1,176 @@
+"""Hydra multirun sweeps over the pipeline. Each combination runs as `dvc exp run -S ...` (so stages it does not
+change, such as the base, tokenizer and dataset, are reused) and is logged as an MLflow child run of the sweep's
+run; every combination is checked before the first one starts; a summary table ends the sweep.
+
+    python -m stages.sweep -m lora.r=8,16 train.lr=1e-4,3e-4
+    python -m stages.sweep -m hydra/sweeper=optuna hydra.sweeper.n_trials=4 'lora.r=choice(4,8)' \\
+        'train.lr=interval(1e-4,1e-3)'        # Optuna minimises sweep.objective (eval bits per byte)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from pipeline.atomic import atomic_path
+from pipeline.config import validate
+from pipeline.tracking import Tracker, open_run
+from stages.common import PARENT_RUN_ENV, RUN_ID_FILE
+
+EVAL_METRICS = Path("metrics/eval.json")
+TRAIN_METRICS = Path("metrics/train.json")
+
+
+def lookup(figures: dict, dotted: str) -> float:
+    """figures["a"]["b"] for "a.b"; a missing key names what exists."""
+    value: Any = figures
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"sweep.objective: {dotted!r} is not in {EVAL_METRICS} (keys here: {list(value)})")
+        value = value[part]
+    return float(value)
+
+
+def plain(cfg: DictConfig) -> dict:
+    """The pipeline's config: resolved, without the sweep's own node."""
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("sweep", None)
+    return raw
+
+
+def combinations(overrides: list[str]) -> list[list[str]]:
+    """Override lists to check before a sweep: every value of every swept key (an interval's two ends), the other
+    keys at their first value. Enough to catch a value of the wrong type without composing the whole product."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    choices = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.get_key_element()
+        if override.is_interval_sweep():
+            sweep = override.value()
+            values = [str(sweep.start), str(sweep.end)]
+        elif override.is_sweep_override():
+            values = list(override.sweep_string_iterator())
+        else:
+            values = [override.get_value_element_as_str()]
+        choices.append([f"{key}={v}" for v in values])
+    firsts = [c[0] for c in choices]
+    checks = [firsts]
+    for index, values in enumerate(choices):
+        checks += [firsts[:index] + [v] + firsts[index + 1 :] for v in values[1:]]
+    return checks
+
+
+def summary(rows: list[dict], objective: str) -> str:
+    """A Markdown table: one row per job, best objective first."""
+    ordered = sorted(rows, key=lambda r: (r["objective"] is None, r["objective"] or 0.0))
+    lines = [
+        f"| job | overrides | {objective} | final train loss | tokens/s | MLflow run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in ordered:
+        figures = [f"{r[k]:.4f}" if isinstance(r[k], float) else "failed" for k in ("objective", "loss")]
+        speed = f"{r['tokens_per_s']:.1f}" if isinstance(r["tokens_per_s"], float) else ""
+        lines.append(f"| {r['job']} | {' '.join(r['overrides'])} | {' | '.join(figures)} | {speed} | {r['run']} |")
+    return "\n".join(lines)
+
+
+class SweepCallback(Callback):
+    """Checks every combination first, opens the sweep's parent MLflow run, collects each job, prints the table."""
+
+    def __init__(self) -> None:
+        self.parent = Tracker()
+        self.rows: list[dict] = []
+        self.objective = ""
+        self.folder = Path(".")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra import compose
+
+        overrides = list(config.hydra.overrides.task)
+        errors = []
+        for check in combinations(overrides):
+            try:
+                validate(plain(compose(config_name="config", overrides=check)), f"sweep {' '.join(check)}")
+            except ValueError as err:
+                errors.append(str(err))
+            except Exception as err:  # Hydra's own: a value its grammar or the config's type rejects
+                errors.append(f"sweep {' '.join(check)}: {' '.join(str(err).split())}")
+        if errors:
+            print("error: " + "\nerror: ".join(dict.fromkeys(errors)), file=sys.stderr)
+            sys.exit(2)
+        self.objective = config.sweep.objective
+        self.folder = Path(config.hydra.sweep.dir)
+        tracking = config.tracking
+        self.parent = open_run(
+            tracking.uri, tracking.experiment, self.folder / "parent_run.json", f"sweep-{uuid.uuid4().hex}",
+            run_name=f"sweep {self.folder.name}",
+        )  # fmt: skip
+        self.parent.set_tags({"sweep.overrides": " ".join(overrides), "sweep.objective": self.objective})
+        if self.parent.run_id:
+            os.environ[PARENT_RUN_ENV] = self.parent.run_id
+        print(f"sweep: {len(overrides)} override(s) checked; parent MLflow run {self.parent.run_id or '(none)'}")
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
+        done = job_return.status == JobStatus.COMPLETED
+        train = json.loads(TRAIN_METRICS.read_text(encoding="utf-8")) if done and TRAIN_METRICS.is_file() else {}
+        recorded = json.loads(RUN_ID_FILE.read_text(encoding="utf-8")) if RUN_ID_FILE.is_file() else {}
+        self.rows.append(
+            {
+                "job": HydraConfig.get().job.num,
+                "overrides": list(job_return.overrides),
+                "objective": float(job_return.return_value) if done else None,
+                "loss": train.get("final_train_loss"),
+                "tokens_per_s": train.get("tokens_per_s"),
+                "run": recorded.get("run_id") or "",
+            }
+        )
+        if not done:
+            self._finish("FAILED")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._finish("FINISHED")
+
+    def _finish(self, status: str) -> None:
+        table = summary(self.rows, self.objective)
+        print(f"\nsweep: {len(self.rows)} job(s), {status.lower()}\n{table}")
+        with atomic_path(self.folder / "summary.md") as tmp:
+            tmp.write_text(table + "\n", encoding="utf-8")
+        self.parent.log_artifact(self.folder / "summary.md")
+        scored = [r for r in self.rows if r["objective"] is not None]
+        if scored:
+            best = min(scored, key=lambda r: r["objective"])
+            self.parent.log_metrics({f"best.{self.objective}": best["objective"]})
+            self.parent.set_tags({"sweep.best_run": best["run"], "sweep.best_overrides": " ".join(best["overrides"])})
+        self.parent.close(status)
+
+
+@hydra.main(config_path="../conf", config_name="sweep", version_base=None)
+def main(cfg: DictConfig) -> float:
+    """One combination: the whole pipeline through `dvc exp run`; returns the objective from metrics/eval.json."""
+    overrides = list(HydraConfig.get().overrides.task)
+    validate(plain(cfg), f"sweep job {' '.join(overrides)}")
+    command = ["dvc", "exp", "run", *itertools.chain.from_iterable(("-S", o) for o in overrides)]
+    print(f"sweep: job {HydraConfig.get().job.num}: {' '.join(command)}", flush=True)
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    done = subprocess.run(command, env={**os.environ, "PATH": path})
+    if done.returncode:
+        raise RuntimeError(f"sweep job {' '.join(overrides)}: `dvc exp run` exited {done.returncode}")
+    return lookup(json.loads(EVAL_METRICS.read_text(encoding="utf-8")), cfg.sweep.objective)
+
+
+if __name__ == "__main__":
+    main()
