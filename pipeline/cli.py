@@ -29,6 +29,37 @@ def _consolidate(args: argparse.Namespace) -> None:
     )
 
 
+def _convert(args: argparse.Namespace) -> None:
+    import time
+
+    from pipeline.consolidate import resolve_tag
+    from pipeline.convert import is_universal, to_universal, to_zero, universal_path
+
+    start = time.perf_counter()
+    if args.to == "zero":
+        if args.base is None or args.world_size is None or args.zero_stage is None:
+            raise ValueError("--to zero: expected --base, --world-size and --zero-stage")
+        universal = args.checkpoint_dir
+        if not is_universal(universal):  # a ZeRO checkpoint: its universal form first, beside its tag
+            universal = universal_path(args.checkpoint_dir / resolve_tag(args.checkpoint_dir, args.tag))
+            if not is_universal(universal):
+                to_universal(universal.with_name(universal.name.removesuffix("_universal")), universal, args.workers)
+        to_zero(universal, args.output_dir, args.base, args.world_size, args.zero_stage, args.master_port)
+        print(
+            f"convert: {universal} -> {args.output_dir}: ZeRO-{args.zero_stage} for {args.world_size} rank(s) in "
+            f"{time.perf_counter() - start:.1f} s; resume it with train.resume_from={args.output_dir}"
+        )
+        return
+    tag = resolve_tag(args.checkpoint_dir, args.tag)
+    manifest = to_universal(args.checkpoint_dir / tag, args.output_dir, args.workers)
+    source = manifest["source"]
+    print(
+        f"convert: {args.checkpoint_dir / tag} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), step "
+        f"{manifest['step']}) -> {args.output_dir}: {len(manifest['parameters'])} parameters with their Adam "
+        f"moments in {time.perf_counter() - start:.1f} s; a run of any world size under ZeRO 1-3 resumes from it"
+    )
+
+
 def _merge(args: argparse.Namespace) -> None:
     from pipeline.merge import merge
 
@@ -63,6 +94,17 @@ def parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--adapter-config", type=Path, help="adapter_config.json (default: the checkpoint's)")
     consolidate.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
     consolidate.set_defaults(handler=_consolidate)
+    convert = commands.add_parser("convert", help="checkpoint layouts: ZeRO 1-3 <-> DeepSpeed's universal layout")
+    convert.add_argument("checkpoint_dir", type=Path, help="checkpoint folder (holds `latest`), or a universal one")
+    convert.add_argument("output_dir", type=Path, help="folder to write (must not exist)")
+    convert.add_argument("--to", choices=("universal", "zero"), required=True, help="the layout to write")
+    convert.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
+    convert.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    convert.add_argument("--world-size", type=int, help="--to zero: ranks of the run that resumes it")
+    convert.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="--to zero: its ZeRO stage")
+    convert.add_argument("--base", type=Path, help="--to zero: the base model folder (the engine is rebuilt)")
+    convert.add_argument("--master-port", type=int, default=29511, help="--to zero: port of the CPU ranks")
+    convert.set_defaults(handler=_convert)
     merge = commands.add_parser("merge", help="fold a LoRA adapter into its base and verify the logits")
     merge.add_argument("--base", type=Path, required=True, help="base HF model folder")
     merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter folder")

@@ -114,6 +114,7 @@ class TrainConfig(Section):
     save_every: int = PositiveInt
     keep_last: int = PositiveInt
     resume_from: str | None
+    convert_layout: bool
     seed: int
 
     @model_validator(mode="after")

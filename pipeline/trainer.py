@@ -15,9 +15,11 @@ from pathlib import Path
 import torch
 
 from pipeline import checkpoint as ckpt
+from pipeline.convert import link_optimizer_state, load_universal
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.schedule import global_batch, lr_factor, micro_batch
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
+from pipeline.zero_checkpoint import MOMENTS
 
 
 @dataclass(frozen=True)
@@ -90,15 +92,20 @@ def validate(engine, rows, rank: int, world_size: int, micro: int, pad_id: int) 
     return loss_sum / max(tokens, 1.0), int(tokens)
 
 
-def gathered_trainable(engine) -> dict[str, torch.Tensor]:
-    """Every trainable parameter's full fp32 master value (a collective under ZeRO-3: call on all ranks)."""
-    from deepspeed.utils import safe_get_full_fp32_param
+def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's full fp32 master value, and with `moments` its Adam moments under
+    `NAME#exp_avg` and `NAME#exp_avg_sq` (a collective under ZeRO-3: call on all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+    if moments:
+        link_optimizer_state(engine)
     state = {}
     for name, param in engine.module.named_parameters():
         if param.requires_grad:
             master = safe_get_full_fp32_param(param)  # None without a ZeRO optimizer: the module holds the value
             state[name] = (param if master is None else master).detach().float().cpu().clone()
+            for key in MOMENTS if moments else ():
+                state[f"{name}#{key}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()
     return state
 
 
@@ -132,6 +139,27 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def resume(engine, directory: Path, resume_from: Path | None, universal: Path | None, seed: int) -> dict | None:
+    """Load what the run continues from into `engine` and return its trainer state (None: a fresh start): the
+    universal checkpoint of another layout when given (each rank's RNG is then reseeded from the seed, step and
+    rank: per-rank streams do not map across world sizes), else the newest complete checkpoint of `directory`,
+    else of `resume_from`."""
+    import deepspeed.comm as dist
+
+    rank = dist.get_rank()
+    if universal is not None:
+        load_universal(engine, universal)
+        saved = json.loads((universal / ckpt.STATE).read_text(encoding="utf-8"))
+        ckpt.seed_rng(seed * 1_000_003 + saved["step"] * 1_009 + rank)
+        return saved
+    source = directory if ckpt.latest_tag(directory) else resume_from
+    if source is None or (tag := ckpt.latest_tag(source)) is None:
+        return None
+    engine.load_checkpoint(str(source), tag=tag, load_module_strict=False)
+    ckpt.set_rng_state(torch.load(ckpt.rng_file(source, tag, rank), weights_only=False))
+    return ckpt.read_state(source, tag)
+
+
 def train(
     engine,
     train_rows,
@@ -141,22 +169,18 @@ def train(
     tokenizer_dir: Path,
     pad_id: int,
     run_state: dict,
-    resume_from: Path | None,
+    saved: dict | None,
     log: Callable[[dict, int], None],
     progress: Callable[[int, dict], None],
 ) -> dict:
-    """Run optimizer steps up to schedule.max_steps, resuming from the newest complete checkpoint."""
+    """Run optimizer steps up to schedule.max_steps, from the trainer state `resume` returned (None: step 0)."""
     import deepspeed.comm as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accumulation = schedule.micro_batch_size, schedule.accumulation
     global_size = micro * accumulation * world
     history, start, tokens, train_seconds = History(), 0, 0.0, 0.0
-    source = directory if ckpt.latest_tag(directory) else resume_from
-    if source is not None and (tag := ckpt.latest_tag(source)):
-        engine.load_checkpoint(str(source), tag=tag, load_module_strict=False)
-        ckpt.set_rng_state(torch.load(ckpt.rng_file(source, tag, rank), weights_only=False))
-        saved = ckpt.read_state(source, tag)
+    if saved is not None:
         start, history = saved["step"], History(**saved["history"])
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
     begin, last_loss = time.perf_counter(), float("nan")

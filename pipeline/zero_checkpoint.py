@@ -1,9 +1,10 @@
 """Read a DeepSpeed ZeRO checkpoint tag (stage 0-3, any world size, fp32/bf16/fp16 engine): the fp32 master of
-every trainable parameter, as a shape and a reader, after checking that the files belong together.
+every trainable parameter (and, for ZeRO 1-3, its Adam moments), as a shape and a reader, after checking that the
+files belong together.
 
-Loads are memory-mapped through an unpickler that does not import DeepSpeed; Adam moments and frozen weights are
-never paged in, and pages of a partition are released as they are copied. Every partition must be consumed
-exactly."""
+Loads are memory-mapped through an unpickler that does not import DeepSpeed; what is not asked for (moments, frozen
+weights) is never paged in, and pages of a partition are released as they are copied. Every partition must be
+consumed exactly."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Source:
     world_size: int
     ds_version: str
     step: int | None
+    optimizer_step: int | None = None  # Adam's own step counter (below `step` when fp16 skipped steps)
 
 
 class _Opaque:
@@ -108,9 +110,13 @@ def _check_same(values: dict[Path, object], what: str) -> object:
     return next(iter(values.values()))
 
 
-def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, list[list[torch.Tensor]], list | None]:
-    """(stage, world size, version, per-rank fp32 partition groups, alignment paddings), checked (the optimizer
-    step must agree across ranks too)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam's first and second moments, as DeepSpeed names them
+
+
+def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, dict, list | None, int | None]:
+    """(stage, world size, version, {"fp32"|moment: per-rank partition groups}, alignment paddings, Adam's step),
+    checked (the optimizer step must agree across ranks too). Moments are there when every group of every rank
+    has them."""
     states = {p: _load(p) for p in paths.values()}
     inner = {p: s.get("optimizer_state_dict") for p, s in states.items()}
     for path, osd in inner.items():
@@ -120,7 +126,7 @@ def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, list[list[torch.
     counts = {p: o.get("partition_count") for p, o in inner.items()}
     world = _check_same({p: max(c) if isinstance(c, list) else c for p, c in counts.items()}, "partition_count")
     version = _check_same({p: str(s.get("ds_version")) for p, s in states.items()}, "ds_version")
-    _check_same({p: _optimizer_step(o) for p, o in inner.items()}, "optimizer step")
+    adam_step = _check_same({p: _optimizer_step(o) for p, o in inner.items()}, "optimizer step")
     missing = sorted(set(range(world)) - set(paths))
     if missing or len(paths) != world:
         raise ValueError(
@@ -128,13 +134,21 @@ def _read_optim(paths: dict[int, Path]) -> tuple[int, int, str, list[list[torch.
             f"{sorted(paths)}; missing ranks {missing or 'none'} (a rank did not finish saving?)"
         )
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    groups = []
+    groups: dict[str, list[list[torch.Tensor]]] = {"fp32": []}
     for rank in range(world):
         osd = inner[paths[rank]]
         if key not in osd:
             raise ValueError(f"{paths[rank]}: no '{key}' (fp32 master partitions) in the optimizer shard")
-        groups.append(list(osd[key]))
-    return stage, world, version, groups, inner[paths[0]].get("param_alignment_paddings")
+        groups["fp32"].append(list(osd[key]))
+    for moment in MOMENTS:
+        per_rank = []
+        for rank in range(world):
+            osd = inner[paths[rank]]
+            states = (osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") or {}).get("state", {})
+            per_rank.append([states.get(g, {}).get(moment) for g in range(len(groups["fp32"][rank]))])
+        if all(t is not None for rank_groups in per_rank for t in rank_groups):
+            groups[moment] = per_rank
+    return stage, world, version, groups, inner[paths[0]].get("param_alignment_paddings"), adam_step
 
 
 def _param_shapes(model_state: dict, path: Path) -> list[dict[str, torch.Size]]:
@@ -255,33 +269,54 @@ def _zero0(model_state: dict, path: Path) -> dict[str, Lazy]:
 def master_weights(tag_dir: Path) -> tuple[dict[str, Lazy], Source]:
     """Every trainable parameter's shape and a reader of its fp32 master value (engine names), and where they
     came from. Shapes and element counts are checked here; values are read when written."""
-    shards = _shards(tag_dir)
-    models = {p: _load(p) for p in shards["model"].values()}
-    for path, state in models.items():
-        if not isinstance(state, dict) or "module" not in state:
-            raise ValueError(f"{path}: no 'module' entry: not a DeepSpeed model-state file")
-    first_path, first = next(iter(models.items()))
-    state, source = _masters(tag_dir, shards, first_path, first, models)
+    shards, first_path, first, models = _model_states(tag_dir)
+    state, source = _tensors(tag_dir, shards, first_path, first, models, "fp32")
     aliases = first.get("shared_params")
     aliases = _adapter_names(first["module"])[1] if aliases is None else aliases
     state.update({alias: state[src] for alias, src in aliases.items() if src in state})  # PEFT wants both names
     return state, source
 
 
-def _masters(tag_dir: Path, shards: dict, first_path: Path, first: dict, models: dict) -> tuple[dict, Source]:
+def optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, Lazy]], Source]:
+    """{parameter: {"fp32" | "exp_avg" | "exp_avg_sq": reader}} for every trainable parameter of a ZeRO 1-3
+    checkpoint (engine names, tied aliases left out), and where it came from."""
+    shards, first_path, first, models = _model_states(tag_dir)
+    if not shards["optim"]:
+        raise ValueError(f"{tag_dir}: a ZeRO-0 checkpoint keeps its optimizer whole, not in partitions to convert")
+    kinds = {}
+    for kind in ("fp32", *MOMENTS):
+        kinds[kind], source = _tensors(tag_dir, shards, first_path, first, models, kind)
+    return {name: {kind: kinds[kind][name] for kind in kinds} for name in kinds["fp32"]}, source
+
+
+def _model_states(tag_dir: Path) -> tuple[dict, Path, dict, dict]:
+    shards = _shards(tag_dir)
+    models = {p: _load(p) for p in shards["model"].values()}
+    for path, state in models.items():
+        if not isinstance(state, dict) or "module" not in state:
+            raise ValueError(f"{path}: no 'module' entry: not a DeepSpeed model-state file")
+    first_path, first = next(iter(models.items()))
+    return shards, first_path, first, models
+
+
+def _tensors(
+    tag_dir: Path, shards: dict, first_path: Path, first: dict, models: dict, kind: str
+) -> tuple[dict, Source]:
     steps = _check_same({p: s.get("global_steps") for p, s in models.items()}, "global_steps")
     if not shards["optim"]:
         world = int(first.get("dp_world_size", 1))
         return _zero0(first, first_path), Source(tag_dir.name, 0, world, str(first.get("ds_version")), steps)
-    stage, world, version, groups, paddings = _read_optim(shards["optim"])
+    stage, world, version, groups, paddings, adam_step = _read_optim(shards["optim"])
     _check_same({first_path: str(first.get("ds_version")), shards["optim"][0]: version}, "ds_version")
+    if kind not in groups:
+        raise ValueError(f"{tag_dir}: the optimizer shards hold no '{kind}' for every parameter group (not Adam?)")
     shapes = _param_shapes(first, first_path)
     if stage == 3:
         if sorted(shards["model"]) != list(range(world)):
             raise ValueError(
                 f"{tag_dir}: ZeRO-3 needs a model-state file per rank 0..{world - 1}, found {sorted(shards['model'])}"
             )
-        state = _zero3(shapes, world, groups, tag_dir)
+        state = _zero3(shapes, world, groups[kind], tag_dir)
     else:
-        state = _zero12(shapes, world, groups, paddings, tag_dir)
-    return state, Source(tag_dir.name, int(stage), world, version, steps)
+        state = _zero12(shapes, world, groups[kind], paddings, tag_dir)
+    return state, Source(tag_dir.name, int(stage), world, version, steps, adam_step)

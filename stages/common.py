@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from pipeline import config
 from pipeline.cli import guarded
@@ -39,9 +42,9 @@ def execution_id() -> str:
     return f"process-{parent.pid}-{parent.create_time():.3f}" if parent else f"process-{os.getpid()}"
 
 
-def stage_name(default: str) -> str:
-    """The DVC stage running this process ($DVC_STAGE), else `default`."""
-    return os.environ.get("DVC_STAGE") or default
+def stage_name() -> str:
+    """The DVC stage running this process ($DVC_STAGE), else its entry point's name (`stages/NAME.py`)."""
+    return os.environ.get("DVC_STAGE") or Path(sys.argv[0]).stem
 
 
 def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
@@ -74,9 +77,9 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
         if prefix is None:
             main(args, cfg)
             return
-        name = stage_name(prefix)
+        name = stage_name()
         with pipeline_run(cfg, args.run_id_file) as tracker:
-            tracker.log_params(flatten(cfg.model_dump()))
+            tracker.log_params(flat_params(args.params))
             tracker.set_tags({**runtime_tags(), **dvc_tags(), f"stage.{name}": "ran"})
             start = time.perf_counter()
             figures = main(args, cfg) or {}
@@ -85,6 +88,11 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
             )
 
     guarded(tracked)
+
+
+def flat_params(path: Path | str) -> dict[str, str]:
+    """params.yaml as MLflow params, its values as written there (the schema would turn 16 into 16.0)."""
+    return flatten(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
 
 
 def dvc_tags() -> dict[str, str]:

@@ -23,13 +23,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.atomic import atomic_path
+from pipeline.atomic import atomic_path, write_json
 from pipeline.config import validate
 from pipeline.tracking import Tracker, open_run
-from stages.common import PARENT_RUN_ENV, RUN_ID_FILE
+from stages.common import EXECUTION_ENV, PARENT_RUN_ENV, RUN_ID_FILE
 
 EVAL_METRICS = Path("metrics/eval.json")
 TRAIN_METRICS = Path("metrics/train.json")
+JOB_RUN = "mlflow_run.json"  # in each job's Hydra output folder: its pipeline's run (the job hands it to the callback)
 
 
 def lookup(figures: dict, dotted: str) -> float:
@@ -127,15 +128,16 @@ class SweepCallback(Callback):
 
         done = job_return.status == JobStatus.COMPLETED
         train = json.loads(TRAIN_METRICS.read_text(encoding="utf-8")) if done and TRAIN_METRICS.is_file() else {}
-        recorded = json.loads(RUN_ID_FILE.read_text(encoding="utf-8")) if RUN_ID_FILE.is_file() else {}
+        handed = Path(config.hydra.runtime.output_dir) / JOB_RUN
+        run = json.loads(handed.read_text(encoding="utf-8")).get("run_id") if handed.is_file() else None
         self.rows.append(
             {
-                "job": HydraConfig.get().job.num,
+                "job": config.hydra.job.num,
                 "overrides": list(job_return.overrides),
                 "objective": float(job_return.return_value) if done else None,
                 "loss": train.get("final_train_loss"),
                 "tokens_per_s": train.get("tokens_per_s"),
-                "run": recorded.get("run_id") or "",
+                "run": run or "",
             }
         )
         if not done:
@@ -160,15 +162,24 @@ class SweepCallback(Callback):
 
 @hydra.main(config_path="../conf", config_name="sweep", version_base=None)
 def main(cfg: DictConfig) -> float:
-    """One combination: the whole pipeline through `dvc exp run`; returns the objective from metrics/eval.json."""
+    """One combination: the whole pipeline through `dvc exp run`; returns the objective from metrics/eval.json.
+    When DVC finds nothing to re-run (the combination is the workspace's), only the track stage is forced, so
+    that the combination still has its own child run."""
     overrides = list(HydraConfig.get().overrides.task)
     validate(plain(cfg), f"sweep job {' '.join(overrides)}")
     command = ["dvc", "exp", "run", *itertools.chain.from_iterable(("-S", o) for o in overrides)]
     print(f"sweep: job {HydraConfig.get().job.num}: {' '.join(command)}", flush=True)
+    execution = f"sweep-job-{uuid.uuid4().hex}"
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    done = subprocess.run(command, env={**os.environ, "PATH": path})
-    if done.returncode:
-        raise RuntimeError(f"sweep job {' '.join(overrides)}: `dvc exp run` exited {done.returncode}")
+    env = {**os.environ, "PATH": path, EXECUTION_ENV: execution}
+    for step in (command, ["dvc", "repro", "--force", "--single-item", "track"]):
+        done = subprocess.run(step, env=env)
+        if done.returncode:
+            raise RuntimeError(f"sweep job {' '.join(overrides)}: `{' '.join(step)}` exited {done.returncode}")
+        recorded = json.loads(RUN_ID_FILE.read_text(encoding="utf-8")) if RUN_ID_FILE.is_file() else {}
+        if recorded.get("execution") == execution:
+            write_json(Path(HydraConfig.get().runtime.output_dir) / JOB_RUN, recorded)
+            break
     return lookup(json.loads(EVAL_METRICS.read_text(encoding="utf-8")), cfg.sweep.objective)
 
 

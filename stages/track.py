@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from pipeline import config, plots
-from pipeline.tracking import flatten, numeric_leaves, runtime_tags
-from stages.common import RUN_ID_FILE, dvc_tags, pipeline_run, run, stage_name
+from pipeline.tracking import numeric_leaves, runtime_tags
+from stages.common import RUN_ID_FILE, dvc_tags, flat_params, pipeline_run, run, stage_name
 
 CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
 
@@ -55,10 +55,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
                     file=sys.stderr,
                 )
             return
-        tracker.log_params(flatten(cfg.model_dump()))
+        tracker.log_params(flat_params(args.params))
         logged_metrics, logged_tags = tracker.logged()
         lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
-        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags), f"stage.{stage_name('track')}": "ran"}
+        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags), f"stage.{stage_name()}": "ran"}
         tracker.set_tags(tags)
         figures: dict[str, float] = {}
         for prefix, path in args.metrics:

@@ -6,17 +6,24 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pipeline import config
 from pipeline import ds_config as dsc
 from pipeline.atomic import write_json
-from pipeline.checkpoint import check_resumable, file_digest, fingerprint, latest_tag, read_state
+from pipeline.checkpoint import check_same_model, file_digest, fingerprint, latest_tag, layout, read_state
+from pipeline.convert import is_universal, to_universal, universal_path
 from pipeline.model import check_targets, meta_model
 from pipeline.tokenizer import META, load_tokenizer
 from stages.common import run
 
-UNTRACKED_TRAIN_KEYS = ("eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from")
+# Not part of a training trajectory: reporting and checkpointing, and how the global batch is split into micro-batches
+# and accumulation steps (a resume under another world size re-splits it).
+UNTRACKED_TRAIN_KEYS = (
+    "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
+    "gradient_accumulation_steps",
+)  # fmt: skip
 
 
 def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
@@ -33,8 +40,10 @@ def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
     return rows
 
 
-def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | None, world: int, stage: int) -> None:
-    """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from."""
+def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | None, convert: bool) -> Path | None:
+    """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from. Returns
+    the universal checkpoint to start from when the one to resume was written under another layout."""
+    source = None
     if tag := latest_tag(directory):
         state = read_state(directory, tag)
         if state["fingerprint"] != run_state["fingerprint"]:
@@ -43,14 +52,50 @@ def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | No
             directory.rename(aside)
             print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
         else:
-            check_resumable(state, directory, run_state["identity"], world, stage)
-            print(f"train: resuming from {directory / tag}")
+            source = directory / tag
     elif resume_from is not None:
         tag = latest_tag(resume_from)
         if tag is None:
             raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
-        check_resumable(read_state(resume_from, tag), resume_from, run_state["identity"], world, stage)
+        state, source = read_state(resume_from, tag), resume_from / tag
+    if source is not None:
+        check_same_model(state, source.parent, run_state["identity"])
     directory.mkdir(parents=True, exist_ok=True)
+    here = (run_state["world_size"], run_state["zero_stage"])
+    if source is None or layout(state) == here:
+        print(f"train: resuming from {source}" if source else "train: starting from step 0")
+        return None
+    written = f"written by {state['world_size']} rank(s) under ZeRO-{state['zero_stage']}"
+    wanted = f"{here[0]} rank(s) under ZeRO-{here[1]}"
+    if not convert:
+        raise ValueError(
+            f"train.convert_layout: {source} was {written}, this run has {wanted}; expected "
+            "train.convert_layout=true to convert it, or the checkpoint's layout"
+        )
+    if 0 in (state["zero_stage"], here[1]):
+        raise ValueError(
+            f"deepspeed.stage: {source} was {written}, this run has {wanted}; ZeRO-0 keeps no partitioned "
+            "optimizer state to convert: expected ZeRO 1-3 on both sides, or the checkpoint's layout"
+        )
+    return convert_for_resume(source, written, wanted)
+
+
+def convert_for_resume(tag_dir: Path, written: str, wanted: str) -> Path:
+    """DeepSpeed's universal form of `tag_dir`, beside it (made now unless a complete one is there)."""
+    out = universal_path(tag_dir)
+    if is_universal(out):
+        print(f"train: {tag_dir} was {written}; resuming with {wanted} from its universal form {out}")
+        return out
+    for stale in tag_dir.parent.glob(f".{out.name}.tmp-*"):  # left by a conversion that was killed
+        shutil.rmtree(stale)
+    start = time.perf_counter()
+    manifest = to_universal(tag_dir, out)
+    print(
+        f"train: {tag_dir} was {written}; converted it to DeepSpeed's universal layout ({len(manifest['parameters'])}"
+        f" parameters with their Adam moments, step {manifest['step']}, {time.perf_counter() - start:.1f} s) in "
+        f"{out} to resume with {wanted}"
+    )
+    return out
 
 
 def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
@@ -100,18 +145,21 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         "zero_stage": ds.stage,
     }
     resume_from = Path(t.resume_from) if t.resume_from else None
-    prepare_checkpoints(args.checkpoints, run_state, resume_from, world, ds.stage)
+    universal = prepare_checkpoints(args.checkpoints, run_state, resume_from, t.convert_layout)
     tokenizer = load_tokenizer(args.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     write_json(args.checkpoints / "run.json", {**run_state, "pad_token_id": pad or 0})
     write_json(args.checkpoints / "ds_config.json", ds_config)
 
     worker_args = ["--params", args.params]
-    for name in ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state"):
+    passed = ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file")
+    for name in (*passed, "final_state", "loaded_state"):
         if getattr(args, name) is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if resume_from is not None:
         worker_args += ["--resume-from", str(resume_from)]
+    if universal is not None:
+        worker_args += ["--resume-universal", str(universal)]
     env = {**os.environ, "DS_ACCELERATOR": accelerator}
     if accelerator == "cpu":  # one thread per core and rank: the default (all cores per rank) oversubscribes
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launcher.ranks_per_node)))
@@ -140,4 +188,5 @@ if __name__ == "__main__":
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
     parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
+    parser.add_argument("--loaded-state", type=Path, help="also write the state the run resumes from (+ moments)")
     run(main, parser, prefix="train")

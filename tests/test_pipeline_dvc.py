@@ -3,29 +3,18 @@ stage has its own tests, tests/test_train.py; `make run` runs the whole graph)."
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from stages.repro_check import GIT, copy_project, sh
 
 pytestmark = pytest.mark.integration
 EXP_RUN = ["dvc", "exp", "run", "cache_dataset", "-S", "experiment=ci_tiny"]
 STAGES = {"prepare_base", "prepare_tokenizer", "cache_dataset"}  # upstream of cache_dataset in ci_tiny
-
-
-def _sh(args: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
-    if check and done.returncode:
-        raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
-    return done
 
 
 def _ran(done: subprocess.CompletedProcess) -> set[str]:
@@ -35,12 +24,7 @@ def _ran(done: subprocess.CompletedProcess) -> set[str]:
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     """A git+DVC copy of the project whose `ci_tiny` experiment points at a tiny model and corpus."""
-    root = tmp_path_factory.mktemp("repo")
-    listed = _sh(["git", "ls-files", "--cached", "--others", "--exclude-standard"], REPO).stdout.split()
-    for rel in listed:
-        if (REPO / rel).is_file():
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, root / rel)
+    root = copy_project(tmp_path_factory.mktemp("repo"))
     (root / "data" / "tiny").mkdir(parents=True)
     (root / "data/tiny/train.txt").write_text("\n".join(peoples_daily[:300]) + "\n", encoding="utf-8")
     (root / "data/tiny/heldout.txt").write_text("\n".join(peoples_daily[-50:]) + "\n", encoding="utf-8")
@@ -52,15 +36,13 @@ def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
         "data": {"train_file": "data/tiny/train.txt", "heldout_file": "data/tiny/heldout.txt", "block_size": 64},
     }
     (root / "conf/experiment/ci_tiny.yaml").write_text("# @package _global_\n" + yaml.safe_dump(tiny))
-    git = ["git", "-c", "user.name=ci", "-c", "user.email=ci@localhost"]
-    _sh(["git", "init", "-q"], root)
-    _sh(git + ["add", "-A"], root)
-    _sh(git + ["commit", "-qm", "copy"], root)
+    sh([*GIT, "add", "-A"], root)
+    sh([*GIT, "commit", "-qm", "tiny experiment"], root)
     return root
 
 
 def test_exp_run_composes_conf_and_reruns_only_dependent_stages(repo):
-    first = _sh([*EXP_RUN], repo)
+    first = sh([*EXP_RUN], repo)
     assert _ran(first) == STAGES
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["data"]["train_file"] == params["tokenizer"]["train_file"] == "data/tiny/train.txt"
@@ -74,17 +56,17 @@ def test_exp_run_composes_conf_and_reruns_only_dependent_stages(repo):
     assert len(dataset["train"][0]["input_ids"]) == 64
     assert max(max(row) for row in dataset["train"]["input_ids"]) >= 49152, "extended ids are used"
 
-    second = _sh([*EXP_RUN, "-S", "tokenizer.vocab_size=700"], repo)
+    second = sh([*EXP_RUN, "-S", "tokenizer.vocab_size=700"], repo)
     assert _ran(second) == {"prepare_tokenizer", "cache_dataset"}
     assert yaml.safe_load((repo / "params.yaml").read_text())["tokenizer"]["vocab_size"] == 700
 
-    third = _sh(["dvc", "repro", "cache_dataset"], repo)
+    third = sh(["dvc", "repro", "cache_dataset"], repo)
     assert _ran(third) == set()
     assert "Data and pipelines are up to date" in third.stdout
 
 
 def test_block_size_above_model_positions_fails_cleanly(repo):
-    done = _sh([*EXP_RUN, "-S", "data.block_size=1024"], repo, check=False)
+    done = sh([*EXP_RUN, "-S", "data.block_size=1024"], repo, check=False)
     assert done.returncode != 0
     assert "data.block_size: 1024 exceeds the model's max_position_embeddings (256)" in done.stderr
     assert "Traceback" not in done.stderr
@@ -93,6 +75,6 @@ def test_block_size_above_model_positions_fails_cleanly(repo):
 
 
 def test_unknown_override_is_refused(repo):
-    done = _sh([*EXP_RUN, "-S", "lora.rank=8"], repo, check=False)
+    done = sh([*EXP_RUN, "-S", "lora.rank=8"], repo, check=False)
     assert done.returncode != 0
     assert "lora.rank" in done.stdout + done.stderr

@@ -17,10 +17,14 @@ pytestmark = pytest.mark.integration
 
 
 def _run_stage(tmp_path: Path, stage: str, overrides: list[str], *args: str) -> subprocess.CompletedProcess:
+    """The stage as a process; tracking off unless `overrides` turn it on (never into the project's own store)."""
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump(config.compose(REPO / "conf", overrides)), encoding="utf-8")
-    command = [sys.executable, "-m", f"stages.{stage}", "--params", str(params), *args]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    raw = config.compose(REPO / "conf", ["tracking.uri=", *overrides])
+    params.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    command = [
+        sys.executable, "-m", f"stages.{stage}", "--params", str(params), "--run-id-file", str(tmp_path / "run.json"),
+    ]  # fmt: skip
+    return subprocess.run([*command, *args], cwd=REPO, capture_output=True, text=True)
 
 
 def _assert_clean_failure(done: subprocess.CompletedProcess, message: str, out: Path) -> None:
@@ -79,10 +83,15 @@ def test_prepare_tokenizer_refuses_an_empty_tokenizer(tmp_path, peoples_daily):
     _assert_clean_failure(done, f"{empty}:", out)
 
 
-def test_prepare_base_names_a_missing_model(tmp_path):
+def test_prepare_base_names_a_missing_model_and_marks_the_run_failed(tmp_path):
     out = tmp_path / "base"
+    store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     done = _run_stage(
-        tmp_path, "prepare_base", [f"model.path={tmp_path / 'nope'}"], "--out", str(out),
+        tmp_path, "prepare_base", [f"model.path={tmp_path / 'nope'}", f"tracking.uri={store}"], "--out", str(out),
         "--tokenizer-out", str(tmp_path / "tok"),
     )  # fmt: skip
     _assert_clean_failure(done, "model.path:", out)
+    from mlflow import MlflowClient
+
+    run = MlflowClient(store).get_run(json.loads((tmp_path / "run.json").read_text())["run_id"])
+    assert run.info.status == "FAILED" and run.data.tags["stage.prepare_base"] == "ran"

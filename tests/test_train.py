@@ -6,9 +6,7 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,90 +16,21 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline import config
-from pipeline.dataset import build_pretraining, save_splits
-from pipeline.tokenizer import META, load_tokenizer, round_up, write_extended
+from pipeline.tokenizer import META
 from tests.conftest import REPO
+from tests.training import (
+    ONE_RANK,
+    TINY,
+    TWO_RANKS,
+    assert_same_training,
+    env,
+    free_port,
+    losses,
+    train,
+    train_command,
+)
 
 pytestmark = pytest.mark.integration
-TINY = [
-    "train.precision=fp32", "train.max_steps=6", "train.warmup_steps=1", "train.lr=5e-3", "train.save_every=3",
-    "train.eval_every=3", "train.micro_batch_size=1", "train.global_batch_size=4", "lora.dropout=0.0",
-    "lora.r=4", "launcher.accelerator=cpu", "lora.modules_to_save=[embed_tokens,lm_head]",
-]  # fmt: skip
-TWO_RANKS = ["launcher.ranks_per_node=2", "train.gradient_accumulation_steps=2"]
-ONE_RANK = ["launcher.ranks_per_node=1", "train.gradient_accumulation_steps=4"]
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
-    """Tiny base, a tokenizer extended on Chinese text (so embeddings resize), packed 64-token blocks."""
-    root = tmp_path_factory.mktemp("train_inputs")
-    write_extended(tiny_base_dir, root / "tokenizer", peoples_daily[:300], 600, "bpe", 0.9995)
-    tokenizer = load_tokenizer(root / "tokenizer")
-    meta = {"vocab_size": len(tokenizer), "padded_vocab_size": round_up(len(tokenizer), 64)}
-    (root / "tokenizer" / META).write_text(json.dumps(meta))
-    tables, _ = build_pretraining(tokenizer, peoples_daily[:120], 64, "drop", 0.1, seed=0)
-    save_splits(root / "dataset", tables)
-    return root
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _command(inputs: Path, base: Path, out: Path, overrides: list[str]) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    raw = config.compose(REPO / "conf", ["tracking.uri=", *overrides])
-    raw["launcher"]["master_port"] = _free_port()
-    (out / "params.yaml").write_text(yaml.safe_dump(raw))
-    return [
-        sys.executable, "-m", "stages.train", "--params", str(out / "params.yaml"), "--base", str(base),
-        "--tokenizer", str(inputs / "tokenizer"), "--dataset", str(inputs / "dataset"),
-        "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.json"),
-        "--curve", str(out / "curve.csv"), "--run-id-file", str(out / "run_id.json"),
-        "--final-state", str(out / "final.safetensors"),
-    ]  # fmt: skip
-
-
-def _env() -> dict:
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-
-
-def train(inputs: Path, base: Path, out: Path, overrides: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(_command(inputs, base, out, overrides), cwd=REPO, env=_env(), capture_output=True, text=True)
-    if check and done.returncode:
-        raise AssertionError(f"train exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return done
-
-
-def losses(out: Path) -> list[float]:
-    rows = (out / "curve.csv").read_text().splitlines()[1:]
-    return [float(r.split(",")[1]) for r in rows]
-
-
-def assert_same_training(a: Path, b: Path, atol: float) -> None:
-    torch.testing.assert_close(torch.tensor(losses(a)), torch.tensor(losses(b)), atol=atol, rtol=0)
-    left, right = load_file(a / "final.safetensors"), load_file(b / "final.safetensors")
-    assert left.keys() == right.keys()
-    for name in left:
-        torch.testing.assert_close(left[name], right[name], atol=atol, rtol=1e-4, msg=name)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, inputs, tiny_base_dir) -> Path:
-    """One rank, ZeRO-2, fp32: the global batch of 4 as 4 accumulated micro-batches."""
-    out = tmp_path_factory.mktemp("one_rank")
-    train(inputs, tiny_base_dir, out, [*TINY, *ONE_RANK, "deepspeed=zero2", f"tracking.uri=sqlite:///{out}/mlruns.db"])
-    return out
-
-
-@pytest.fixture(scope="module")
-def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
-    out = tmp_path_factory.mktemp("two_ranks_zero2")
-    train(inputs, tiny_base_dir, out, [*TINY, *TWO_RANKS, "deepspeed=zero2"])
-    return out
 
 
 def test_reference_trains_the_adapter_and_the_resized_embeddings(reference, inputs):
@@ -164,7 +93,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     train(inputs, tiny_base_dir, whole, overrides)
     out = tmp_path / "killed"
     process = subprocess.Popen(
-        _command(inputs, tiny_base_dir, out, overrides), cwd=REPO, env=_env(), start_new_session=True,
+        train_command(inputs, tiny_base_dir, out, overrides), cwd=REPO, env=env(), start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 300
@@ -188,20 +117,20 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
 def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    port = _free_port()
+    port = free_port()
     nodes = [
         *TINY, "launcher.ranks_per_node=1", "launcher.num_nodes=2", f"launcher.hostfile={hostfile}",
         "train.gradient_accumulation_steps=2", "deepspeed=zero2",
     ]  # fmt: skip
     processes = []
     for rank in (0, 1):
-        command = _command(inputs, tiny_base_dir, tmp_path / f"node{rank}", [*nodes, f"launcher.node_rank={rank}"])
+        command = train_command(inputs, tiny_base_dir, tmp_path / f"node{rank}", [*nodes, f"launcher.node_rank={rank}"])
         params = Path(command[command.index("--params") + 1])
         raw = yaml.safe_load(params.read_text())
         raw["launcher"]["master_port"] = port
         params.write_text(yaml.safe_dump(raw))
         processes.append(
-            subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
@@ -224,7 +153,7 @@ def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overri
     """In-process (the checks run before the launcher); the CLI path is covered by the next two tests."""
     from stages import train as train_stage
 
-    command = _command(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, *overrides])
+    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, *overrides])
     flags = {a.removeprefix("--").replace("-", "_"): v for a, v in zip(command[3::2], command[4::2], strict=True)}
     args = argparse.Namespace(**{k: v if k == "params" else Path(v) for k, v in flags.items()})
     with pytest.raises(ValueError) as err:

@@ -1,0 +1,63 @@
+"""convert against what users run today: DeepSpeed's `python -m deepspeed.checkpoint.ds_to_universal
+--inject_missing_state` (the flag an HF/PEFT checkpoint needs), on the train stage's newest checkpoint, in one run:
+wall time and peak memory (summed over the process tree, sampled) ratios, with 1 and with 4 workers on each side
+(targets: at most 1.0x each). The two outputs are compared tensor by tensor. Needs `make run` first."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import report, run_tree_peak
+from pipeline.consolidate import resolve_tag
+
+CHECKPOINTS = Path("artifacts/checkpoints")
+
+
+def same_tensors(ours: Path, theirs: Path) -> int:
+    """How many tensors of our universal folder equal DeepSpeed's (every one of ours must)."""
+    count = 0
+    for path in sorted((ours / "zero").rglob("*.pt")):
+        mine = torch.load(path, weights_only=True)
+        other = torch.load(theirs / path.relative_to(ours), weights_only=False)
+        if isinstance(mine, dict):
+            mine, other = mine["param"], other["param"]
+        if not torch.equal(mine.float(), other.float()):
+            raise SystemExit(f"{path.relative_to(ours)} differs from DeepSpeed's")
+        count += 1
+    return count
+
+
+def main() -> None:
+    tag = CHECKPOINTS / resolve_tag(CHECKPOINTS, None)
+    figures: dict[str, float | int | str] = {"checkpoint": str(tag)}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in (1, 4):
+            theirs, ours = Path(tmp) / f"deepspeed{workers}", Path(tmp) / f"ours{workers}"
+            reference = [
+                sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
+                "--output_folder", str(theirs), "--inject_missing_state", "--num_extract_workers", str(workers),
+                "--num_merge_workers", str(workers),
+            ]  # fmt: skip
+            seconds_reference, peak_reference = run_tree_peak(reference)
+            command = [sys.executable, "-m", "pipeline", "convert", str(CHECKPOINTS), str(ours), "--to", "universal"]
+            seconds_ours, peak_ours = run_tree_peak([*command, "--workers", str(workers)])
+            figures.update(
+                {
+                    f"workers{workers}_tensors_equal": same_tensors(ours, theirs),
+                    f"workers{workers}_reference_seconds": round(seconds_reference, 2),
+                    f"workers{workers}_ours_seconds": round(seconds_ours, 2),
+                    f"workers{workers}_time_ratio": round(seconds_ours / seconds_reference, 3),
+                    f"workers{workers}_reference_peak_memory_mb": round(peak_reference, 1),
+                    f"workers{workers}_ours_peak_memory_mb": round(peak_ours, 1),
+                    f"workers{workers}_memory_ratio": round(peak_ours / peak_reference, 3),
+                }
+            )
+    report("convert", {**figures, "target_ratio": 1.0})
+
+
+if __name__ == "__main__":
+    main()

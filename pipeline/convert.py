@@ -1,0 +1,185 @@
+"""Checkpoint layouts. A ZeRO 1-3 checkpoint tag (any world size) -> DeepSpeed's universal layout: per parameter
+`zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt` ({"cat_dim": 0, "param": tensor}) and `step.pt`, which an engine of any
+world size and ZeRO stage loads (`load_universal`). Written beside the source, never over anything, by N worker
+processes (forked: nothing has run a parallel torch kernel yet) each holding one tensor at a time, into a temporary
+folder renamed into place when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_path
+from pipeline.zero_checkpoint import optimizer_state
+
+SUFFIX = "_universal"
+MANIFEST = "universal_manifest.json"
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+CARRIED = ("*_model_states.pt", "trainer_state.json", "adapter_config.json", "tokenizer*", "*.jinja", "*.model")
+
+
+def universal_path(tag_dir: Path) -> Path:
+    """Where the universal form of `tag_dir` goes: beside it, `<tag>_universal`."""
+    return tag_dir.with_name(tag_dir.name + SUFFIX)
+
+
+def is_universal(folder: Path) -> bool:
+    """A complete universal checkpoint (the manifest is written last, inside the temporary folder)."""
+    return (folder / MANIFEST).is_file() and (folder / "zero").is_dir()
+
+
+def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
+    """Convert one checkpoint tag; returns the manifest (source layout, step, parameters and shapes)."""
+    tag_dir, out_dir = Path(tag_dir), Path(out_dir)
+    if workers < 1:
+        raise ValueError(f"--workers: expected at least 1, got {workers}")
+    if out_dir.exists():
+        raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
+    if out_dir.resolve().is_relative_to(tag_dir.resolve()):
+        raise ValueError(f"{out_dir}: inside the source checkpoint {tag_dir}; expected a folder beside it")
+    states, source = optimizer_state(tag_dir)  # every check on the shards happens here, before anything is written
+    names = sorted(states)
+    step = source.optimizer_step if source.optimizer_step is not None else source.step
+    with atomic_path(out_dir) as tmp:
+        (tmp / "zero").mkdir(parents=True)
+        chunks = [names[i::workers] for i in range(min(workers, len(names)))]
+        if len(chunks) <= 1:
+            _write(tag_dir, tmp / "zero", names, step)
+        else:
+            count = len(chunks)
+            with ProcessPoolExecutor(count, mp_context=get_context("fork")) as pool:  # no second torch import
+                list(pool.map(_write, [tag_dir] * count, [tmp / "zero"] * count, chunks, [step] * count))
+        for pattern in CARRIED:
+            for path in tag_dir.glob(pattern):
+                shutil.copy2(path, tmp / path.name)
+        manifest = {
+            "source": {**source.__dict__, "checkpoint": str(tag_dir)},
+            "step": step,
+            "parameters": {name: list(states[name]["fp32"][0]) for name in names},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return manifest
+
+
+def to_zero(universal: Path, out_dir: Path, base: Path, world_size: int, zero_stage: int, port: int = 29511) -> None:
+    """A universal checkpoint -> a checkpoint folder (`latest` + tag) of `world_size` ranks under ZeRO-`zero_stage`,
+    which a run of that layout resumes as its own. DeepSpeed partitions only inside an engine: that many CPU ranks
+    (pipeline/zero_writer.py) build it from `base` and save it. Every rank loads the base model."""
+    if not is_universal(universal):
+        raise FileNotFoundError(f"{universal}: not a complete universal checkpoint ({MANIFEST} or zero/ missing)")
+    if out_dir.exists():
+        raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
+    if zero_stage not in (1, 2, 3) or world_size < 1:
+        raise ValueError(
+            f"--zero-stage/--world-size: expected a stage of 1-3 and >= 1 rank, got {zero_stage}/{world_size}"
+        )
+    if not (base / "config.json").is_file():
+        raise FileNotFoundError(f"--base: {base}/config.json missing; expected the base model's HF folder")
+    launcher = ["deepspeed", "--num_gpus", str(world_size), "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    with atomic_path(out_dir) as tmp:
+        command = [
+            *launcher, "--module", "pipeline.zero_writer", "--universal", str(universal), "--out", str(tmp),
+            "--base", str(base), "--zero-stage", str(zero_stage),
+        ]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(
+                f"the conversion ranks failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+
+
+def _write(tag_dir: Path, zero: Path, names: list[str], step: int | None) -> None:
+    """One worker: map the shards (their pages are shared) and write its parameters one tensor at a time."""
+    torch.set_num_threads(1)
+    states, _ = optimizer_state(tag_dir) if names else ({}, None)
+    for name in names:
+        folder = zero / name
+        folder.mkdir()
+        for kind in KINDS:
+            torch.save({"cat_dim": 0, "param": states[name][kind][1]()}, folder / f"{kind}.pt")
+        torch.save(torch.tensor(float(step or 0)), folder / "step.pt")
+
+
+def link_optimizer_state(engine) -> None:
+    """Make Adam's moments reachable per parameter before the first step: its state is empty until then (zero
+    moments are created in the inner optimizer's own format: torch keeps the step as a tensor, DeepSpeed's CPU Adam
+    as an int), and ZeRO-1/2 link the per-parameter views of it lazily, in `step`."""
+    inner = engine.optimizer.optimizer
+    torch_adam = isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+    partitions = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3 swaps these in per step
+    for partition in partitions or [p for group in inner.param_groups for p in group["params"]]:
+        state = inner.state[partition]
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0) if torch_adam else 0
+            state["exp_avg"] = torch.zeros_like(partition)
+            state["exp_avg_sq"] = torch.zeros_like(partition)
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+
+
+def load_universal(engine, folder: Path) -> dict:
+    """Place a universal checkpoint's fp32 masters and Adam moments into this engine's partitions (ZeRO 1-3, any
+    world size), the module's own copy of each parameter too, and restore Adam's step, the LR scheduler and the
+    engine's step counters; returns the source's model-state dict. Call on every rank."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero = folder / "zero"
+    trainable = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
+    saved = {p.name for p in zero.iterdir() if p.is_dir()}
+    if saved != set(trainable):
+        raise ValueError(
+            f"{folder}: holds other parameters than this model trains (only in the checkpoint: "
+            f"{sorted(saved - set(trainable))[:5]}; only in the model: {sorted(set(trainable) - saved)[:5]})"
+        )
+    link_optimizer_state(engine)
+    step = 0
+    for name, param in trainable.items():
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        for kind in KINDS:
+            value = torch.load(zero / name / f"{kind}.pt", map_location="cpu", weights_only=True)["param"].float()
+            if tuple(value.shape) != shape:
+                raise ValueError(f"{zero / name / kind}.pt: shape {tuple(value.shape)}, the model's is {shape}")
+            if hasattr(param, "ds_id"):
+                _place_zero3(param, value, None if kind == "fp32" else kind)
+            elif kind == "fp32":
+                safe_set_full_fp32_param(param, value)
+                param.data.copy_(value.to(param.dtype))  # ZeRO-1/2 keep the whole parameter on every rank
+            else:
+                safe_set_full_optimizer_state(param, value, kind)
+        step = int(torch.load(zero / name / "step.pt", weights_only=True))
+    for state in engine.optimizer.optimizer.state.values():
+        if "step" in state:
+            old = state["step"]
+            state["step"] = torch.full_like(old, step) if torch.is_tensor(old) else step
+    model_state = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    if engine.lr_scheduler is not None and model_state.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # load_state_dict restores the schedule, not the rate the next step uses
+    engine.global_steps = model_state.get("global_steps", step)
+    engine.global_samples = model_state.get("global_samples", 0)
+    engine.skipped_steps = model_state.get("skipped_steps", 0)
+    return model_state
+
+
+def _place_zero3(param, value: torch.Tensor, key: str | None) -> None:
+    """This rank's slice of a ZeRO-3 parameter (of its fp32 master or an Adam moment); the last slice may be
+    padded. With the master, the module's own partition (`ds_tensor`) too."""
+    optimizer = param._z3_optimizer
+    partition, _ = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    start = partition.numel() * optimizer._get_param_partition_rank(param)
+    piece = value.flatten()[start : start + partition.numel()]
+    partition.data.zero_()
+    partition.data[: piece.numel()].copy_(piece)
+    if key is None:
+        param.ds_tensor.data.zero_()
+        param.ds_tensor.data[: piece.numel()].copy_(piece.to(param.ds_tensor.dtype))
