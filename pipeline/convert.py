@@ -1,6 +1,6 @@
 """Checkpoint layouts. A ZeRO 1-3 checkpoint tag (any world size) -> DeepSpeed's universal layout: per parameter
 `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt` ({"cat_dim": 0, "param": tensor}) and `step.pt`, which an engine of any
-world size and ZeRO stage loads (`load_universal`). Written beside the source, never over anything, by N worker
+world size under ZeRO 1-3 loads (`load_universal`). Written beside the source, never over anything, by N worker
 processes (forked: nothing has run a parallel torch kernel yet) each holding one tensor at a time, into a temporary
 folder renamed into place when complete."""
 
@@ -35,13 +35,17 @@ def is_universal(folder: Path) -> bool:
     return (folder / MANIFEST).is_file() and (folder / "zero").is_dir()
 
 
+def _refuse_existing(out_dir: Path) -> None:
+    if out_dir.exists():
+        raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
+
+
 def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
     """Convert one checkpoint tag; returns the manifest (source layout, step, parameters and shapes)."""
     tag_dir, out_dir = Path(tag_dir), Path(out_dir)
     if workers < 1:
         raise ValueError(f"--workers: expected at least 1, got {workers}")
-    if out_dir.exists():
-        raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
+    _refuse_existing(out_dir)
     if out_dir.resolve().is_relative_to(tag_dir.resolve()):
         raise ValueError(f"{out_dir}: inside the source checkpoint {tag_dir}; expected a folder beside it")
     states, source = optimizer_state(tag_dir)  # every check on the shards happens here, before anything is written
@@ -74,8 +78,7 @@ def to_zero(universal: Path, out_dir: Path, base: Path, world_size: int, zero_st
     (pipeline/zero_writer.py) build it from `base` and save it. Every rank loads the base model."""
     if not is_universal(universal):
         raise FileNotFoundError(f"{universal}: not a complete universal checkpoint ({MANIFEST} or zero/ missing)")
-    if out_dir.exists():
-        raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
+    _refuse_existing(out_dir)
     if zero_stage not in (1, 2, 3) or world_size < 1:
         raise ValueError(
             f"--zero-stage/--world-size: expected a stage of 1-3 and >= 1 rank, got {zero_stage}/{world_size}"

@@ -78,8 +78,8 @@ def load_lora_model(
         lora_alpha=alpha,
         lora_dropout=dropout,
         use_rslora=use_rslora,
-        target_modules=target_modules,
-        modules_to_save=modules_to_save or None,
+        target_modules=list(target_modules),  # PEFT edits the lists it is given
+        modules_to_save=list(modules_to_save) or None,
         ensure_weight_tying=bool(model.config.tie_word_embeddings and modules_to_save),
         task_type="CAUSAL_LM",
     )

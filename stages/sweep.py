@@ -167,17 +167,19 @@ def main(cfg: DictConfig) -> float:
     that the combination still has its own child run."""
     overrides = list(HydraConfig.get().overrides.task)
     validate(plain(cfg), f"sweep job {' '.join(overrides)}")
-    command = ["dvc", "exp", "run", *itertools.chain.from_iterable(("-S", o) for o in overrides)]
+    job = uuid.uuid4().hex[:8]
+    name = f"sweep-{job}-{HydraConfig.get().job.num}"  # the DVC experiment, also when only track is forced
+    command = ["dvc", "exp", "run", "-n", name, *itertools.chain.from_iterable(("-S", o) for o in overrides)]
     print(f"sweep: job {HydraConfig.get().job.num}: {' '.join(command)}", flush=True)
-    execution = f"sweep-job-{uuid.uuid4().hex}"
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "PATH": path, EXECUTION_ENV: execution}
-    for step in (command, ["dvc", "repro", "--force", "--single-item", "track"]):
-        done = subprocess.run(step, env=env)
+    env = {**os.environ, "PATH": path, EXECUTION_ENV: f"sweep-job-{job}"}
+    forced = ["dvc", "repro", "--force", "--single-item", "track"]
+    for step, extra in ((command, {}), (forced, {"DVC_EXP_NAME": name})):
+        done = subprocess.run(step, env={**env, **extra})
         if done.returncode:
             raise RuntimeError(f"sweep job {' '.join(overrides)}: `{' '.join(step)}` exited {done.returncode}")
         recorded = json.loads(RUN_ID_FILE.read_text(encoding="utf-8")) if RUN_ID_FILE.is_file() else {}
-        if recorded.get("execution") == execution:
+        if recorded.get("execution") == env[EXECUTION_ENV]:
             write_json(Path(HydraConfig.get().runtime.output_dir) / JOB_RUN, recorded)
             break
     return lookup(json.loads(EVAL_METRICS.read_text(encoding="utf-8")), cfg.sweep.objective)

@@ -173,7 +173,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             file=sys.stderr,
         )
         sys.exit(1)
-    return json.loads(args.metrics.read_text(encoding="utf-8"))
+    if launcher.node_rank == 0:  # global rank 0, which writes the metrics, runs on node 0
+        return json.loads(args.metrics.read_text(encoding="utf-8"))
+    return {}
 
 
 if __name__ == "__main__":
