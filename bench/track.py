@@ -15,6 +15,8 @@ import yaml
 from bench.common import report, run_measured
 
 METRICS = {
+    "base": "metrics/base.json",
+    "corpus": "metrics/corpus.json",
     "tokenizer": "metrics/tokenizer.json",
     "dataset": "metrics/dataset.json",
     "train": "metrics/train.json",

@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from pipeline import assets, config
+from pipeline.atomic import write_json
 from pipeline.base_model import import_base
 from stages.common import run
 
@@ -12,6 +13,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     summary = import_base(
         assets.resolve(cfg.model.path), args.out, args.tokenizer_out, cfg.model.dtype, cfg.model.max_shard_size
     )
+    write_json(args.metrics, summary)
     print(f"prepare_base: {summary}")
     return summary
 
@@ -20,4 +22,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="HF model folder to write")
     parser.add_argument("--tokenizer-out", type=Path, required=True, help="copy of the base tokenizer alone")
+    parser.add_argument("--metrics", type=Path, required=True, help="the imported model's figures (JSON)")
     run(main, parser, prefix="base")

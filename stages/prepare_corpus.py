@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from pipeline import config
-from pipeline.atomic import atomic_path
+from pipeline.atomic import atomic_path, write_json
 from pipeline.corpus import build_packaged_corpora
 from stages.common import run
 
@@ -22,6 +22,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             c.chat_heldout_examples,
             c.seed,
         )
+    write_json(args.metrics, stats)
     for name, figures in stats.items():
         print(f"prepare_corpus: {name}: {figures}")
     return stats
@@ -30,4 +31,5 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="folder of corpus files to write")
+    parser.add_argument("--metrics", type=Path, required=True, help="sizes of the corpus files (JSON)")
     run(main, parser, prefix="corpus")

@@ -22,10 +22,13 @@ from stages.common import RUN_ID_FILE, dvc_tags, flat_params, pipeline_run, run,
 CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
 
 
-def stage_tags(lock: dict, logged_tags: dict[str, str]) -> dict[str, str]:
-    """`dvc.stage.NAME`: md5 of the stage's dvc.lock entry; `stage.NAME=cached` where it did not run this time."""
+def stage_tags(lock: dict, logged_tags: dict[str, str], current: str) -> dict[str, str]:
+    """`dvc.stage.NAME`: md5 of the stage's dvc.lock entry; `stage.NAME=cached` where it did not run this time.
+    The `current` stage's entry is the previous execution's (DVC writes it after the stage): left out."""
     tags = {}
     for name, entry in lock.get("stages", {}).items():
+        if name == current:
+            continue
         tags[f"dvc.stage.{name}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
         if logged_tags.get(f"stage.{name}") != "ran":
             tags[f"stage.{name}"] = "cached"
@@ -58,7 +61,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         tracker.log_params(flat_params(args.params))
         logged_metrics, logged_tags = tracker.logged()
         lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
-        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags), f"stage.{stage_name()}": "ran"}
+        name = stage_name()
+        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags, name), f"stage.{name}": "ran"}
         tracker.set_tags(tags)
         figures: dict[str, float] = {}
         for prefix, path in args.metrics:

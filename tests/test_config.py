@@ -66,7 +66,17 @@ def test_stage_reports_bad_params_without_traceback(tmp_path):
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump(raw), encoding="utf-8")
     done = subprocess.run(
-        [sys.executable, "-m", "stages.prepare_corpus", "--out", str(tmp_path / "corpus"), "--params", str(params)],
+        [
+            sys.executable,
+            "-m",
+            "stages.prepare_corpus",
+            "--out",
+            str(tmp_path / "corpus"),
+            "--params",
+            str(params),
+            "--metrics",
+            str(tmp_path / "corpus.json"),
+        ],  # fmt: skip
         cwd=REPO,
         capture_output=True,
         text=True,

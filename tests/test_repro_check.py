@@ -62,6 +62,7 @@ def test_each_execution_is_one_complete_mlflow_run(tiny_pipeline):
         if stage != "track":  # the track stage's own entry is written after it ran
             assert tags[f"dvc.stage.{stage}"] == hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
         assert tags[f"stage.{stage}"] == "ran"
+    assert "dvc.stage.track" not in tags
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     assert tags["git_commit"] == head and tags["version.deepspeed"] and tags["world_size"] == "2"
 

@@ -88,7 +88,7 @@ def test_prepare_base_names_a_missing_model_and_marks_the_run_failed(tmp_path):
     store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     done = _run_stage(
         tmp_path, "prepare_base", [f"model.path={tmp_path / 'nope'}", f"tracking.uri={store}"], "--out", str(out),
-        "--tokenizer-out", str(tmp_path / "tok"),
+        "--tokenizer-out", str(tmp_path / "tok"), "--metrics", str(tmp_path / "base.json"),
     )  # fmt: skip
     _assert_clean_failure(done, "model.path:", out)
     from mlflow import MlflowClient
