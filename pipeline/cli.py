@@ -103,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--world-size", type=int, help="--to zero: ranks of the run that resumes it")
     convert.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="--to zero: its ZeRO stage")
     convert.add_argument("--base", type=Path, help="--to zero: the base model folder (the engine is rebuilt)")
-    convert.add_argument("--master-port", type=int, default=29511, help="--to zero: port of the CPU ranks")
+    convert.add_argument("--master-port", type=int, help="--to zero: port of the CPU ranks (default: a free one)")
     convert.set_defaults(handler=_convert)
     merge = commands.add_parser("merge", help="fold a LoRA adapter into its base and verify the logits")
     merge.add_argument("--base", type=Path, required=True, help="base HF model folder")

@@ -162,13 +162,15 @@ class LauncherConfig(Section):
     hostfile: str | None
     node_rank: int = Field(ge=0)
     master_addr: str
-    master_port: int = Field(gt=0, lt=65536)
+    master_port: int | None = Field(gt=0, lt=65536)
     accelerator: Literal["auto", "cpu", "cuda"]
 
     @model_validator(mode="after")
     def _nodes(self) -> LauncherConfig:
         if self.num_nodes > 1 and self.hostfile is None:
             raise ValueError(f"launcher.hostfile: num_nodes={self.num_nodes} needs a hostfile, got null")
+        if self.num_nodes > 1 and self.master_port is None:
+            raise ValueError(f"launcher.master_port: num_nodes={self.num_nodes} needs a fixed port, got null")
         if self.node_rank >= self.num_nodes:
             raise ValueError(
                 f"launcher.node_rank: must be < launcher.num_nodes ({self.num_nodes}), got {self.node_rank}"

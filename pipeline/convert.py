@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_path
+from pipeline.ds_config import free_port
 from pipeline.zero_checkpoint import optimizer_state
 
 SUFFIX = "_universal"
@@ -72,7 +73,9 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
     return manifest
 
 
-def to_zero(universal: Path, out_dir: Path, base: Path, world_size: int, zero_stage: int, port: int = 29511) -> None:
+def to_zero(
+    universal: Path, out_dir: Path, base: Path, world_size: int, zero_stage: int, port: int | None = None
+) -> None:
     """A universal checkpoint -> a checkpoint folder (`latest` + tag) of `world_size` ranks under ZeRO-`zero_stage`,
     which a run of that layout resumes as its own. DeepSpeed partitions only inside an engine: that many CPU ranks
     (pipeline/zero_writer.py) build it from `base` and save it. Every rank loads the base model."""
@@ -85,6 +88,7 @@ def to_zero(universal: Path, out_dir: Path, base: Path, world_size: int, zero_st
         )
     if not (base / "config.json").is_file():
         raise FileNotFoundError(f"--base: {base}/config.json missing; expected the base model's HF folder")
+    port = port or free_port()
     launcher = ["deepspeed", "--num_gpus", str(world_size), "--master_addr", "127.0.0.1", "--master_port", str(port)]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     with atomic_path(out_dir) as tmp:

@@ -16,6 +16,15 @@ def accelerator_name(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now, for the ranks' rendezvous (one node)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def check_precision(precision: str, accelerator: str) -> None:
     """Refuse a precision the accelerator cannot train in."""
     os.environ.setdefault("DS_ACCELERATOR", accelerator)

@@ -101,7 +101,7 @@ def convert_for_resume(tag_dir: Path, written: str, wanted: str) -> Path:
 def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
     command = [
         "deepspeed", "--num_gpus", str(launcher.ranks_per_node), "--num_nodes", str(launcher.num_nodes),
-        "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port),
+        "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port or dsc.free_port()),
     ]  # fmt: skip
     if launcher.num_nodes > 1:
         command += ["--hostfile", str(launcher.hostfile), "--no_ssh", "--node_rank", str(launcher.node_rank)]

@@ -49,6 +49,7 @@ def _defaults() -> dict:
         (lambda r: r["data"].update(prompt_template="Q: {question}"), "data.prompt_template: expected"),
         (lambda r: r["data"].update(format="chat"), "data.format=chat needs prompt_template=chat"),
         (lambda r: r["launcher"].update(num_nodes=2), "launcher.hostfile: num_nodes=2 needs a hostfile"),
+        (lambda r: r["launcher"].update(num_nodes=2, hostfile="h"), "launcher.master_port: num_nodes=2 needs a fixed"),
         (lambda r: r["tokenizer"].pop("vocab_size"), "missing key 'tokenizer.vocab_size'"),
     ],
 )

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, consolidate
+from pipeline.ds_config import free_port
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -39,11 +39,8 @@ def untied_base_dir(tmp_path_factory, tiny_base_dir) -> Path:
 
 
 def _launch(base: Path, out: Path, ranks: int) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     command = [
-        "deepspeed", "--num_gpus", str(ranks), "--master_port", str(port), "--module", "tests.zero_worker",
+        "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "tests.zero_worker",
         "--base", str(base), "--out", str(out), "--vocab-rows", str(VOCAB_ROWS), "--configs", *CONFIGS,
     ]  # fmt: skip
     env = {

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from pipeline.ds_config import free_port
 from stages.repro_check import sh
 from tests.conftest import REPO
 
@@ -93,10 +93,11 @@ def test_sweep_values_of_the_wrong_type_stop_before_any_job(project, tiny_pipeli
 
 @pytest.fixture(scope="module")
 def queued(project, tiny_pipeline) -> list:
-    """`dvc exp run --queue -S 'train.lr=2e-3,3e-3' && dvc queue start`, waited for."""
+    """`dvc exp run --queue -S 'train.lr=2e-3,3e-3' && dvc queue start -j 2`, waited for: two pipelines at once,
+    each training on a free port of its own and logging into the one SQLite store."""
     overrides = [x for o in tiny_pipeline.overrides for x in ("-S", o)]
     sh(["dvc", "exp", "run", "--queue", *overrides, "-S", "train.lr=2e-3,3e-3"], project)
-    sh(["dvc", "queue", "start"], project)
+    sh(["dvc", "queue", "start", "-j", "2"], project)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
         status = sh(["dvc", "queue", "status"], project).stdout
@@ -123,12 +124,6 @@ def test_dvc_queue_sweep_is_one_mlflow_run_per_experiment(project, queued):
         assert figures["in_domain"]["adapter"]["bits_per_byte"] == run.data.metrics[OBJECTIVE]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, body: dict | None = None) -> dict:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -139,7 +134,7 @@ def _get(url: str, body: dict | None = None) -> dict:
 @pytest.fixture(scope="module")
 def ui(project) -> str:
     """`make ui` on a free loopback port over the project copy's store; its base URL."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         ["make", "-s", "-C", str(REPO), "ui", f"UI_PORT={port}", f"UI_STORE=sqlite:///{project / 'mlruns.db'}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,

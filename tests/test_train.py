@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline import config
+from pipeline.ds_config import free_port
 from pipeline.tokenizer import META
 from tests.conftest import REPO
 from tests.training import (
@@ -24,7 +25,6 @@ from tests.training import (
     TWO_RANKS,
     assert_same_training,
     env,
-    free_port,
     losses,
     train,
     train_command,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,16 +23,9 @@ TWO_RANKS = ["launcher.ranks_per_node=2", "train.gradient_accumulation_steps=2"]
 ONE_RANK = ["launcher.ranks_per_node=1", "train.gradient_accumulation_steps=4"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_command(inputs: Path, base: Path, out: Path, overrides: list[str]) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     raw = config.compose(REPO / "conf", ["tracking.uri=", *overrides])
-    raw["launcher"]["master_port"] = free_port()
     (out / "params.yaml").write_text(yaml.safe_dump(raw))
     return [
         sys.executable, "-m", "stages.train", "--params", str(out / "params.yaml"), "--base", str(base),
