@@ -31,6 +31,20 @@ def report(name: str, figures: dict) -> None:
         print(f"  {key:32s} {value}")
 
 
+def side_by_side(
+    reference_seconds: float, ours_seconds: float, reference_mb: float, ours_mb: float, prefix: str = ""
+) -> dict[str, float]:
+    """The figures every benchmark reports: both times and peak memories, and ours over the reference's."""
+    return {
+        f"{prefix}reference_seconds": round(reference_seconds, 2),
+        f"{prefix}ours_seconds": round(ours_seconds, 2),
+        f"{prefix}time_ratio": round(ours_seconds / reference_seconds, 3),
+        f"{prefix}reference_peak_memory_mb": round(reference_mb, 1),
+        f"{prefix}ours_peak_memory_mb": round(ours_mb, 1),
+        f"{prefix}memory_ratio": round(ours_mb / reference_mb, 3),
+    }
+
+
 _PEAK = (
     "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
     "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import report, run_measured
+from bench.common import report, run_measured, side_by_side
 
 CHECKPOINTS = Path("artifacts/checkpoints")
 
@@ -38,18 +38,8 @@ def main() -> None:
         ours = [sys.executable, "-m", "pipeline", "consolidate", str(CHECKPOINTS), str(work / "ours")]
         seconds_ours, peak_ours, _ = run_measured(ours)
     reference_seconds, reference_peak = seconds_convert + seconds_rename, max(peak_convert, peak_rename)
-    report(
-        "consolidate",
-        {
-            "reference_seconds": round(reference_seconds, 2),
-            "ours_seconds": round(seconds_ours, 2),
-            "time_ratio": round(seconds_ours / reference_seconds, 3),
-            "reference_peak_memory_mb": round(reference_peak, 1),
-            "ours_peak_memory_mb": round(peak_ours, 1),
-            "memory_ratio": round(peak_ours / reference_peak, 3),
-            "target_ratio": 0.7,
-        },
-    )
+    figures = side_by_side(reference_seconds, seconds_ours, reference_peak, peak_ours)
+    report("consolidate", {**figures, "target_ratio": 0.7})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import report, run_tree_peak
+from bench.common import report, run_tree_peak, side_by_side
 from pipeline.consolidate import resolve_tag
 
 CHECKPOINTS = Path("artifacts/checkpoints")
@@ -45,16 +45,9 @@ def main() -> None:
             seconds_reference, peak_reference = run_tree_peak(reference)
             command = [sys.executable, "-m", "pipeline", "convert", str(CHECKPOINTS), str(ours), "--to", "universal"]
             seconds_ours, peak_ours = run_tree_peak([*command, "--workers", str(workers)])
+            figures[f"workers{workers}_tensors_equal"] = same_tensors(ours, theirs)
             figures.update(
-                {
-                    f"workers{workers}_tensors_equal": same_tensors(ours, theirs),
-                    f"workers{workers}_reference_seconds": round(seconds_reference, 2),
-                    f"workers{workers}_ours_seconds": round(seconds_ours, 2),
-                    f"workers{workers}_time_ratio": round(seconds_ours / seconds_reference, 3),
-                    f"workers{workers}_reference_peak_memory_mb": round(peak_reference, 1),
-                    f"workers{workers}_ours_peak_memory_mb": round(peak_ours, 1),
-                    f"workers{workers}_memory_ratio": round(peak_ours / peak_reference, 3),
-                }
+                side_by_side(seconds_reference, seconds_ours, peak_reference, peak_ours, f"workers{workers}_")
             )
     report("convert", {**figures, "target_ratio": 1.0})
 

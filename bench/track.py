@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import report, run_measured
+from bench.common import report, run_measured, side_by_side
 
 METRICS = {
     "base": "metrics/base.json",
@@ -80,17 +80,7 @@ def main() -> None:
         seconds_ours, peak_ours, _ = run_measured(ours)
         hand = [sys.executable, "-m", "bench.track", "reference", f"sqlite:///{work / 'reference.db'}"]
         seconds_reference, peak_reference, _ = run_measured(hand)
-    report(
-        "track",
-        {
-            "reference_seconds": round(seconds_reference, 2),
-            "ours_seconds": round(seconds_ours, 2),
-            "time_ratio": round(seconds_ours / seconds_reference, 3),
-            "reference_peak_memory_mb": round(peak_reference, 1),
-            "ours_peak_memory_mb": round(peak_ours, 1),
-            "memory_ratio": round(peak_ours / peak_reference, 3),
-        },
-    )
+    report("track", side_by_side(seconds_reference, seconds_ours, peak_reference, peak_ours))
 
 
 if __name__ == "__main__":

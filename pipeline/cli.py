@@ -33,7 +33,7 @@ def _convert(args: argparse.Namespace) -> None:
     import time
 
     from pipeline.consolidate import resolve_tag
-    from pipeline.convert import is_universal, to_universal, to_zero, universal_path
+    from pipeline.convert import ensure_universal, is_universal, to_universal, to_zero
 
     start = time.perf_counter()
     if args.to == "zero":
@@ -41,9 +41,8 @@ def _convert(args: argparse.Namespace) -> None:
             raise ValueError("--to zero: expected --base, --world-size and --zero-stage")
         universal = args.checkpoint_dir
         if not is_universal(universal):  # a ZeRO checkpoint: its universal form first, beside its tag
-            universal = universal_path(args.checkpoint_dir / resolve_tag(args.checkpoint_dir, args.tag))
-            if not is_universal(universal):
-                to_universal(universal.with_name(universal.name.removesuffix("_universal")), universal, args.workers)
+            tag = resolve_tag(args.checkpoint_dir, args.tag)
+            universal, _ = ensure_universal(args.checkpoint_dir / tag, args.workers)
         to_zero(universal, args.output_dir, args.base, args.world_size, args.zero_stage, args.master_port)
         print(
             f"convert: {universal} -> {args.output_dir}: ZeRO-{args.zero_stage} for {args.world_size} rank(s) in "

@@ -56,11 +56,11 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
         (tmp / "zero").mkdir(parents=True)
         chunks = [names[i::workers] for i in range(min(workers, len(names)))]
         if len(chunks) <= 1:
-            _write(tag_dir, tmp / "zero", names, step)
+            _write(states, tmp / "zero", names, step)
         else:
             count = len(chunks)
             with ProcessPoolExecutor(count, mp_context=get_context("fork")) as pool:  # no second torch import
-                list(pool.map(_write, [tag_dir] * count, [tmp / "zero"] * count, chunks, [step] * count))
+                list(pool.map(_write_in_worker, [tag_dir] * count, [tmp / "zero"] * count, chunks, [step] * count))
         for pattern in CARRIED:
             for path in tag_dir.glob(pattern):
                 shutil.copy2(path, tmp / path.name)
@@ -103,10 +103,25 @@ def to_zero(
             )
 
 
-def _write(tag_dir: Path, zero: Path, names: list[str], step: int | None) -> None:
-    """One worker: map the shards (their pages are shared) and write its parameters one tensor at a time."""
+def ensure_universal(tag_dir: Path, workers: int = 1) -> tuple[Path, dict | None]:
+    """The universal form of `tag_dir` beside it: the complete one already there (manifest None), else written now
+    (its manifest), after removing what a conversion that was killed left."""
+    out = universal_path(tag_dir)
+    if is_universal(out):
+        return out, None
+    for stale in tag_dir.parent.glob(f".{out.name}.tmp-*"):
+        shutil.rmtree(stale)
+    return out, to_universal(tag_dir, out, workers)
+
+
+def _write_in_worker(tag_dir: Path, zero: Path, names: list[str], step: int | None) -> None:
+    """One worker process: map the shards itself (their pages are shared) and write its parameters."""
     torch.set_num_threads(1)
-    states, _ = optimizer_state(tag_dir) if names else ({}, None)
+    _write(optimizer_state(tag_dir)[0], zero, names, step)
+
+
+def _write(states: dict, zero: Path, names: list[str], step: int | None) -> None:
+    """Write each parameter's files, one tensor in memory at a time."""
     for name in names:
         folder = zero / name
         folder.mkdir()

@@ -232,7 +232,8 @@ def open_run(
     uri = resolve_uri(uri, root or Path.cwd())
     run_id_file = Path(run_id_file)
     recorded = _read_record(run_id_file)
-    same_execution = recorded.get("execution") == execution and recorded.get("tracking_uri") == _redact(uri)
+    same_store = recorded.get("tracking_uri") == _redact(uri)
+    same_execution = same_store and recorded.get("execution") == execution
     if same_execution and recorded.get("missing"):
         return Tracker(uri=uri, missing=recorded["missing"])
     try:
@@ -242,7 +243,7 @@ def open_run(
             client = MlflowClient(tracking_uri=uri)
             run_id = _retry_locked(lambda: _reopen(client, experiment, recorded["run_id"])) if same_execution else None
             if run_id is None:
-                if recorded.get("run_id") and recorded.get("tracking_uri") == _redact(uri):
+                if recorded.get("run_id") and same_store:
                     _retry_locked(lambda: _end_interrupted(client, recorded["run_id"]))
                 tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
                 run_id = _retry_locked(lambda: _create(client, experiment, run_name, tags, _artifact_root(uri)))
@@ -271,22 +272,26 @@ def _read_record(run_id_file: Path) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    """The database file of a SQLite store (None for a server or an in-memory store)."""
+    return None if not uri.startswith(SQLITE) or uri.endswith(":memory:") else Path(uri.removeprefix(SQLITE))
+
+
 def _artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store go beside the database (`mlartifacts/`), not below the current folder."""
-    if not uri.startswith(SQLITE) or uri.endswith(":memory:"):
-        return None
-    return (Path(uri.removeprefix(SQLITE)).parent / "mlartifacts").as_uri()
+    database = _sqlite_file(uri)
+    return None if database is None else (database.parent / "mlartifacts").as_uri()
 
 
 @contextlib.contextmanager
 def _store_lock(uri: str) -> Iterator[None]:
     """Serialise the opening of a SQLite store: two processes creating its tables at once collide."""
-    if not uri.startswith(SQLITE) or uri.endswith(":memory:"):
+    database = _sqlite_file(uri)
+    if database is None:
         yield
         return
     from filelock import FileLock
 
-    database = Path(uri.removeprefix(SQLITE))
     database.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{database}.lock", timeout=120):
         yield

@@ -270,7 +270,8 @@ def master_weights(tag_dir: Path) -> tuple[dict[str, Lazy], Source]:
     """Every trainable parameter's shape and a reader of its fp32 master value (engine names), and where they
     came from. Shapes and element counts are checked here; values are read when written."""
     shards, first_path, first, models = _model_states(tag_dir)
-    state, source = _tensors(tag_dir, shards, first_path, first, models, "fp32")
+    kinds, source = _tensors(tag_dir, shards, first_path, first, models, ("fp32",))
+    state = kinds["fp32"]
     aliases = first.get("shared_params")
     aliases = _adapter_names(first["module"])[1] if aliases is None else aliases
     state.update({alias: state[src] for alias, src in aliases.items() if src in state})  # PEFT wants both names
@@ -283,9 +284,7 @@ def optimizer_state(tag_dir: Path) -> tuple[dict[str, dict[str, Lazy]], Source]:
     shards, first_path, first, models = _model_states(tag_dir)
     if not shards["optim"]:
         raise ValueError(f"{tag_dir}: a ZeRO-0 checkpoint keeps its optimizer whole, not in partitions to convert")
-    kinds = {}
-    for kind in ("fp32", *MOMENTS):
-        kinds[kind], source = _tensors(tag_dir, shards, first_path, first, models, kind)
+    kinds, source = _tensors(tag_dir, shards, first_path, first, models, ("fp32", *MOMENTS))
     return {name: {kind: kinds[kind][name] for kind in kinds} for name in kinds["fp32"]}, source
 
 
@@ -300,23 +299,24 @@ def _model_states(tag_dir: Path) -> tuple[dict, Path, dict, dict]:
 
 
 def _tensors(
-    tag_dir: Path, shards: dict, first_path: Path, first: dict, models: dict, kind: str
-) -> tuple[dict, Source]:
+    tag_dir: Path, shards: dict, first_path: Path, first: dict, models: dict, kinds: tuple[str, ...]
+) -> tuple[dict[str, dict[str, Lazy]], Source]:
+    """{kind: {parameter: reader}} for each of `kinds` ("fp32", moments), the shards read once; ZeRO-0: fp32 only."""
     steps = _check_same({p: s.get("global_steps") for p, s in models.items()}, "global_steps")
     if not shards["optim"]:
         world = int(first.get("dp_world_size", 1))
-        return _zero0(first, first_path), Source(tag_dir.name, 0, world, str(first.get("ds_version")), steps)
+        return {"fp32": _zero0(first, first_path)}, Source(tag_dir.name, 0, world, str(first.get("ds_version")), steps)
     stage, world, version, groups, paddings, adam_step = _read_optim(shards["optim"])
     _check_same({first_path: str(first.get("ds_version")), shards["optim"][0]: version}, "ds_version")
-    if kind not in groups:
-        raise ValueError(f"{tag_dir}: the optimizer shards hold no '{kind}' for every parameter group (not Adam?)")
+    if missing := [kind for kind in kinds if kind not in groups]:
+        raise ValueError(f"{tag_dir}: the optimizer shards hold no {missing} for every parameter group (not Adam?)")
     shapes = _param_shapes(first, first_path)
+    if stage == 3 and sorted(shards["model"]) != list(range(world)):
+        raise ValueError(
+            f"{tag_dir}: ZeRO-3 needs a model-state file per rank 0..{world - 1}, found {sorted(shards['model'])}"
+        )
     if stage == 3:
-        if sorted(shards["model"]) != list(range(world)):
-            raise ValueError(
-                f"{tag_dir}: ZeRO-3 needs a model-state file per rank 0..{world - 1}, found {sorted(shards['model'])}"
-            )
-        state = _zero3(shapes, world, groups[kind], tag_dir)
+        readers = {kind: _zero3(shapes, world, groups[kind], tag_dir) for kind in kinds}
     else:
-        state = _zero12(shapes, world, groups[kind], paddings, tag_dir)
-    return state, Source(tag_dir.name, int(stage), world, version, steps, adam_step)
+        readers = {kind: _zero12(shapes, world, groups[kind], paddings, tag_dir) for kind in kinds}
+    return readers, Source(tag_dir.name, int(stage), world, version, steps, adam_step)

@@ -77,10 +77,8 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
         if prefix is None:
             main(args, cfg)
             return
-        name = stage_name()
         with pipeline_run(cfg, args.run_id_file) as tracker:
-            tracker.log_params(flat_params(args.params))
-            tracker.set_tags({**runtime_tags(), **dvc_tags(), f"stage.{name}": "ran"})
+            name = announce(tracker, args.params)
             start = time.perf_counter()
             figures = main(args, cfg) or {}
             tracker.log_metrics(
@@ -90,12 +88,12 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
     guarded(tracked)
 
 
-def flat_params(path: Path | str) -> dict[str, str]:
-    """params.yaml as MLflow params, its values as written there (the schema would turn 16 into 16.0)."""
-    return flatten(yaml.safe_load(Path(path).read_text(encoding="utf-8")))
-
-
-def dvc_tags() -> dict[str, str]:
-    """The DVC experiment this execution belongs to, where there is one."""
-    names = {"DVC_EXP_NAME": "dvc.experiment", "DVC_EXP_BASELINE_REV": "dvc.baseline"}
-    return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
+def announce(tracker: Tracker, params: Path | str, tags: dict[str, str] | None = None) -> str:
+    """Log that this stage ran in the execution's run, with `params` as written (the schema would turn 16 into
+    16.0), runtime tags, the DVC experiment where there is one, and `tags`; returns the stage's name."""
+    name = stage_name()
+    experiment = {"DVC_EXP_NAME": "dvc.experiment", "DVC_EXP_BASELINE_REV": "dvc.baseline"}
+    dvc = {tag: os.environ[env] for env, tag in experiment.items() if os.environ.get(env)}
+    tracker.log_params(flatten(yaml.safe_load(Path(params).read_text(encoding="utf-8"))))
+    tracker.set_tags({**runtime_tags(), **dvc, **(tags or {}), f"stage.{name}": "ran"})
+    return name

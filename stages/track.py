@@ -16,8 +16,8 @@ from pathlib import Path
 import yaml
 
 from pipeline import config, plots
-from pipeline.tracking import numeric_leaves, runtime_tags
-from stages.common import RUN_ID_FILE, dvc_tags, flat_params, pipeline_run, run, stage_name
+from pipeline.tracking import numeric_leaves
+from stages.common import RUN_ID_FILE, announce, pipeline_run, run, stage_name
 
 CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
 
@@ -58,12 +58,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
                     file=sys.stderr,
                 )
             return
-        tracker.log_params(flat_params(args.params))
         logged_metrics, logged_tags = tracker.logged()
         lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
-        name = stage_name()
-        tags = {**runtime_tags(), **dvc_tags(), **stage_tags(lock, logged_tags, name), f"stage.{name}": "ran"}
-        tracker.set_tags(tags)
+        tags = stage_tags(lock, logged_tags, stage_name())
+        announce(tracker, args.params, tags)
         figures: dict[str, float] = {}
         for prefix, path in args.metrics:
             if path.is_file():
@@ -89,7 +87,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             version = tracker.register_model(cfg.tracking.register_model, "merged")
             registered = f"; merged model registered as {cfg.tracking.register_model} version {version}"
         if not tracker.disabled:
-            ran = sorted(k.removeprefix("stage.") for k, v in {**logged_tags, **tags}.items() if v == "ran")
+            ran = sorted({k.removeprefix("stage.") for k, v in logged_tags.items() if v == "ran"} | {stage_name()})
             print(
                 f"track: MLflow run {tracker.run_id} on {cfg.tracking.uri} (stages run: {', '.join(ran)}){registered}"
             )

@@ -13,7 +13,7 @@ from pipeline import config
 from pipeline import ds_config as dsc
 from pipeline.atomic import write_json
 from pipeline.checkpoint import check_same_model, file_digest, fingerprint, latest_tag, layout, read_state
-from pipeline.convert import is_universal, to_universal, universal_path
+from pipeline.convert import ensure_universal
 from pipeline.model import check_targets, meta_model
 from pipeline.tokenizer import META, load_tokenizer
 from stages.common import run
@@ -82,19 +82,16 @@ def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | No
 
 def convert_for_resume(tag_dir: Path, written: str, wanted: str) -> Path:
     """DeepSpeed's universal form of `tag_dir`, beside it (made now unless a complete one is there)."""
-    out = universal_path(tag_dir)
-    if is_universal(out):
-        print(f"train: {tag_dir} was {written}; resuming with {wanted} from its universal form {out}")
-        return out
-    for stale in tag_dir.parent.glob(f".{out.name}.tmp-*"):  # left by a conversion that was killed
-        shutil.rmtree(stale)
     start = time.perf_counter()
-    manifest = to_universal(tag_dir, out)
-    print(
-        f"train: {tag_dir} was {written}; converted it to DeepSpeed's universal layout ({len(manifest['parameters'])}"
-        f" parameters with their Adam moments, step {manifest['step']}, {time.perf_counter() - start:.1f} s) in "
-        f"{out} to resume with {wanted}"
-    )
+    out, manifest = ensure_universal(tag_dir)
+    if manifest is None:
+        print(f"train: {tag_dir} was {written}; resuming with {wanted} from its universal form {out}")
+    else:
+        print(
+            f"train: {tag_dir} was {written}; converted it to DeepSpeed's universal layout "
+            f"({len(manifest['parameters'])} parameters with their Adam moments, step {manifest['step']}, "
+            f"{time.perf_counter() - start:.1f} s) in {out} to resume with {wanted}"
+        )
     return out
 
 
@@ -152,8 +149,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     write_json(args.checkpoints / "ds_config.json", ds_config)
 
     worker_args = ["--params", args.params]
-    passed = ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file")
-    for name in (*passed, "final_state", "loaded_state"):
+    forwarded = (
+        "base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state", "loaded_state",
+    )  # fmt: skip
+    for name in forwarded:
         if getattr(args, name) is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if resume_from is not None:
