@@ -36,12 +36,12 @@ run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
 test: setup browser ## lint, then every test (unit and integration; the repro check at tiny size among them)
-	ruff check pipeline stages tests bench
-	ruff format --check pipeline stages tests bench
+	ruff check pipeline stages tools tests bench
+	ruff format --check pipeline stages tools tests bench
 	pytest
 
 repro-check: setup ## run the pipeline twice from scratch on a tiny config and compare every output
-	python -m stages.repro_check
+	python -m tools.repro_check
 
 ui: setup ## the MLflow UI over the project's store on http://127.0.0.1:$(UI_PORT) (UI_STORE=URI for another)
 	mlflow server --backend-store-uri $(UI_STORE) --host 127.0.0.1 --port $(UI_PORT) --workers 1
@@ -50,13 +50,14 @@ test-unit: setup ## the fast tests only
 	pytest -m "not integration"
 
 lint: setup ## ruff lint and format check
-	ruff check pipeline stages tests bench && ruff format --check pipeline stages tests bench
+	ruff check pipeline stages tools tests bench && ruff format --check pipeline stages tools tests bench
 
 format: setup ## apply ruff's fixes and formatting
-	ruff check --fix pipeline stages tests bench && ruff format pipeline stages tests bench
+	ruff check --fix pipeline stages tools tests bench && ruff format pipeline stages tools tests bench
 
-params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does)
+params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does) and docs/configuration.md
 	python -m pipeline.config
+	python -m tools.config_reference
 
 bench: run peer ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset

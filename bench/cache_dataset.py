@@ -41,7 +41,9 @@ def reference(tokenizer, workdir: Path) -> int:
 
 
 def ours(tokenizer, workdir: Path) -> int:
-    tables, stats = build_pretraining(tokenizer, read_documents(CORPUS), BLOCK_SIZE, "drop", 0.02, seed=42)
+    tables, stats = build_pretraining(
+        tokenizer, read_documents(CORPUS), block_size=BLOCK_SIZE, tail="drop", validation_fraction=0.02, seed=42
+    )
     save_splits(workdir / "ours", tables)
     return (stats["train_rows"] + stats["validation_rows"]) * BLOCK_SIZE
 

@@ -32,7 +32,7 @@ def report(name: str, figures: dict) -> None:
 
 
 def side_by_side(
-    reference_seconds: float, ours_seconds: float, reference_mb: float, ours_mb: float, prefix: str = ""
+    *, reference_seconds: float, ours_seconds: float, reference_mb: float, ours_mb: float, prefix: str = ""
 ) -> dict[str, float]:
     """The figures every benchmark reports: both times and peak memories, and ours over the reference's."""
     return {

@@ -38,7 +38,9 @@ def main() -> None:
         ours = [sys.executable, "-m", "pipeline", "consolidate", str(CHECKPOINTS), str(work / "ours")]
         seconds_ours, peak_ours, _ = run_measured(ours)
     reference_seconds, reference_peak = seconds_convert + seconds_rename, max(peak_convert, peak_rename)
-    figures = side_by_side(reference_seconds, seconds_ours, reference_peak, peak_ours)
+    figures = side_by_side(
+        reference_seconds=reference_seconds, ours_seconds=seconds_ours, reference_mb=reference_peak, ours_mb=peak_ours
+    )
     report("consolidate", {**figures, "target_ratio": 0.7})
 
 

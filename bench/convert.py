@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.common import report, run_tree_peak, side_by_side
-from pipeline.consolidate import resolve_tag
+from pipeline.checkpoints.consolidate import resolve_tag
 
 CHECKPOINTS = Path("artifacts/checkpoints")
 
@@ -47,7 +47,13 @@ def main() -> None:
             seconds_ours, peak_ours = run_tree_peak([*command, "--workers", str(workers)])
             figures[f"workers{workers}_tensors_equal"] = same_tensors(ours, theirs)
             figures.update(
-                side_by_side(seconds_reference, seconds_ours, peak_reference, peak_ours, f"workers{workers}_")
+                side_by_side(
+                    reference_seconds=seconds_reference,
+                    ours_seconds=seconds_ours,
+                    reference_mb=peak_reference,
+                    ours_mb=peak_ours,
+                    prefix=f"workers{workers}_",
+                )
             )
     report("convert", {**figures, "target_ratio": 1.0})
 

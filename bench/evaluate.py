@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import report, run_measured
+from pipeline.atomic import read_json
 
 MODEL, TEXT, CONTEXT, MAX_BYTES = Path("artifacts/merged"), Path("data/corpus/peoples_daily_heldout.txt"), 512, 16000
 
@@ -32,7 +33,15 @@ def documents() -> list[str]:
 def harness(out: Path) -> None:
     from bench.lm_harness import bits_per_byte
 
-    out.write_text(json.dumps({"bits_per_byte": bits_per_byte(MODEL, documents(), CONTEXT, out.parent / "task", 4)}))
+    out.write_text(
+        json.dumps(
+            {
+                "bits_per_byte": bits_per_byte(
+                    MODEL, documents(), context=CONTEXT, workdir=out.parent / "task", batch_size=4
+                )
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -46,7 +55,7 @@ def main() -> None:
             "--context", str(CONTEXT), "--stride", str(CONTEXT), "--max-bytes", str(MAX_BYTES),
         ]  # fmt: skip
         our_seconds, our_peak, output = run_measured(ours_command)
-        theirs = json.loads(theirs_file.read_text())
+        theirs = read_json(theirs_file)
     ours = json.loads(output.splitlines()[-1])
     report(
         "evaluate",

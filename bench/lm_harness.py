@@ -22,7 +22,7 @@ def write_task(folder: Path, documents: list[str]) -> None:
     (folder / f"{TASK}.yaml").write_text(json.dumps(task), encoding="utf-8")
 
 
-def bits_per_byte(model_dir: Path, documents: list[str], context: int, workdir: Path, batch_size: int = 1) -> float:
+def bits_per_byte(model_dir: Path, documents: list[str], *, context: int, workdir: Path, batch_size: int = 1) -> float:
     """The harness's bits per byte of `model_dir` on `documents` (fp32, CPU)."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

@@ -6,12 +6,12 @@ LLaMA stored in 500 MB shards, to show the streaming bound. Needs `make run` fir
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.common import report, run_measured
+from pipeline.atomic import read_json
 
 BASE, ADAPTER = Path("artifacts/base"), Path("artifacts/adapter")
 
@@ -53,7 +53,7 @@ def large_base(out: Path) -> None:
         (out / "base" / name).write_bytes((BASE / name).read_bytes())
 
 
-def _ours(base: Path, adapter: Path, out: Path, verify: bool, shard: str = "2GB") -> list[str]:
+def _ours(base: Path, adapter: Path, out: Path, *, verify: bool, shard: str = "2GB") -> list[str]:
     flags = [] if verify else ["--no-verify"]
     command = ["-m", "pipeline", "merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out)]
     return [sys.executable, *command, "--max-shard-size", shard, *flags]
@@ -78,8 +78,10 @@ def main(large: bool) -> None:
             run_measured([sys.executable, "-m", "bench.merge", "make-large", str(work / "large")])
             base = work / "large" / "base"
             shard = max(p.stat().st_size for p in base.glob("*.safetensors"))
-            seconds, peak, _ = run_measured(_ours(base, work / "large" / "adapter", work / "merged", False, "500MB"))
-            params = json.loads((base / "model.safetensors.index.json").read_text())["metadata"]["total_size"] / 4
+            seconds, peak, _ = run_measured(
+                _ours(base, work / "large" / "adapter", work / "merged", verify=False, shard="500MB")
+            )
+            params = read_json(base / "model.safetensors.index.json")["metadata"]["total_size"] / 4
             figures.update(
                 large_parameters=int(params), large_largest_shard_mb=round(shard / 2**20, 1),
                 large_seconds=round(seconds, 2), large_peak_memory_mb=round(peak, 1),

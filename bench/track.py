@@ -80,7 +80,15 @@ def main() -> None:
         seconds_ours, peak_ours, _ = run_measured(ours)
         hand = [sys.executable, "-m", "bench.track", "reference", f"sqlite:///{work / 'reference.db'}"]
         seconds_reference, peak_reference, _ = run_measured(hand)
-    report("track", side_by_side(seconds_reference, seconds_ours, peak_reference, peak_ours))
+    report(
+        "track",
+        side_by_side(
+            reference_seconds=seconds_reference,
+            ours_seconds=seconds_ours,
+            reference_mb=peak_reference,
+            ours_mb=peak_ours,
+        ),
+    )
 
 
 if __name__ == "__main__":

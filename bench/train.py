@@ -16,6 +16,7 @@ import yaml
 from bench.common import report
 from pipeline import config
 from pipeline import ds_config as dsc
+from pipeline.atomic import read_json
 from pipeline.tokenizer import META
 
 STEPS, ACCUMULATION, RANKS = 6, 1, 2
@@ -37,15 +38,24 @@ def ours(workdir: Path) -> dict:
         "--metrics", str(workdir / "ours.json"), "--curve", str(workdir / "curve.csv"),
         "--run-id-file", str(workdir / "run.json"),
     ], check=True)  # fmt: skip
-    return json.loads((workdir / "ours.json").read_text())
+    return read_json(workdir / "ours.json")
 
 
 def reference(workdir: Path) -> dict:
-    ds_config = dsc.build(2, False, False, False, True, "fp32", 1, ACCUMULATION, RANKS, 2e-4, 0.0, 1.0)
+    ds_config = dsc.build(
+        zero=dsc.ZeroSettings(stage=2),
+        precision="fp32",
+        micro=1,
+        accumulation=ACCUMULATION,
+        world_size=RANKS,
+        lr=2e-4,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+    )
     ds_config.update(train_batch_size="auto", train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto")
     ds_config["optimizer"]["params"].update(lr="auto")
     (workdir / "ds_config.json").write_text(json.dumps(ds_config))
-    vocab_rows = json.loads((ARTIFACTS / "tokenizer" / META).read_text())["padded_vocab_size"]
+    vocab_rows = read_json(ARTIFACTS / "tokenizer" / META)["padded_vocab_size"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     env.pop("OMP_NUM_THREADS", None)
     subprocess.run([
@@ -55,7 +65,7 @@ def reference(workdir: Path) -> dict:
         "--modules-to-save", *config.compose("conf", [])["lora"]["modules_to_save"],
         "--accumulation", str(ACCUMULATION),
     ], check=True, env=env)  # fmt: skip
-    return json.loads((workdir / "reference.json").read_text())
+    return read_json(workdir / "reference.json")
 
 
 def main() -> None:

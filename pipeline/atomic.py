@@ -1,4 +1,4 @@
-"""Write outputs under a temporary name and rename them into place, so a reader never sees half of one."""
+"""Write outputs under a temporary name and rename them into place, so a reader never sees half of one; read JSON."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def atomic_path(final: Path) -> Iterator[Path]:
         os.replace(tmp, final)
     finally:
         _remove(tmp)
+
+
+def read_json(path: Path | str) -> object:
+    """The JSON value stored in `path` (UTF-8)."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
 def write_json(path: Path, data: object) -> None:

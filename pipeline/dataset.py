@@ -43,7 +43,7 @@ def tokenize_documents(tokenizer, documents: list[str]) -> tuple[np.ndarray, int
     return np.insert(flat, ends, eos).astype(np.int32), len(pieces)
 
 
-def pack_blocks(stream: np.ndarray, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_blocks(stream: np.ndarray, *, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Cut the token stream into [n, block_size] inputs and labels; the tail is dropped or padded (label -100)."""
     full = len(stream) // block_size
     rest = len(stream) - full * block_size
@@ -104,7 +104,7 @@ def sft_segments(tokenizer, row: dict, template: str) -> Iterator[tuple[str, boo
     return iter([(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)])
 
 
-def build_sft(tokenizer, rows: list[dict], template: str, max_seq_len: int) -> tuple[list, list, dict]:
+def build_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) -> tuple[list, list, dict]:
     """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len (rendering
     stops there, so long conversations cost no more than their first max_seq_len tokens)."""
     if template == "chat" and not tokenizer.chat_template:
@@ -169,12 +169,12 @@ def masked_fraction(labels) -> float:
 
 
 def build_pretraining(
-    tokenizer, documents: list[str], block_size: int, tail: str, validation_fraction: float, seed: int
+    tokenizer, documents: list[str], *, block_size: int, tail: str, validation_fraction: float, seed: int
 ) -> tuple[dict[str, pa.Table], dict]:
     """Pack documents into train/validation block tables; returns them and their statistics."""
     stream, n_docs = tokenize_documents(tokenizer, documents)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    inputs, labels = pack_blocks(stream, block_size, tail, pad_id if pad_id is not None else 0)
+    inputs, labels = pack_blocks(stream, block_size=block_size, tail=tail, pad_id=pad_id if pad_id is not None else 0)
     if len(inputs) < 1:
         raise ValueError(f"data.block_size: {len(stream)} tokens make no block of {block_size}; lower it or add text")
     train, val = split_indices(len(inputs), validation_fraction, seed)
@@ -194,10 +194,10 @@ def _take(rows: list, indices: np.ndarray) -> list:
 
 
 def build_instruction(
-    tokenizer, rows: list[dict], template: str, max_seq_len: int, validation_fraction: float, seed: int
+    tokenizer, rows: list[dict], *, template: str, max_seq_len: int, validation_fraction: float, seed: int
 ) -> tuple[dict[str, pa.Table], dict]:
     """Tokenize SFT rows into train/validation tables (prompt tokens masked); returns them and statistics."""
-    inputs, labels, stats = build_sft(tokenizer, rows, template, max_seq_len)
+    inputs, labels, stats = build_sft(tokenizer, rows, template=template, max_seq_len=max_seq_len)
     if not inputs:
         raise ValueError(f"data.max_seq_len: every example lost its response to truncation at {max_seq_len} tokens")
     train, val = split_indices(len(inputs), validation_fraction, seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -14,15 +15,6 @@ def accelerator_name(requested: str) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for the ranks' rendezvous (one node)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def check_precision(precision: str, accelerator: str) -> None:
@@ -40,7 +32,7 @@ def check_precision(precision: str, accelerator: str) -> None:
         raise ValueError(f"train.precision: {precision} is not supported on {accelerator}; expected one of {usable}")
 
 
-def check_batch(train_batch_size: int | None, micro: int, accumulation: int, world_size: int) -> int:
+def check_batch(train_batch_size: int | None, *, micro: int, accumulation: int, world_size: int) -> int:
     """The global batch; a stated one must equal micro x accumulation x world size."""
     product = micro * accumulation * world_size
     if train_batch_size is not None and train_batch_size != product:
@@ -51,12 +43,20 @@ def check_batch(train_batch_size: int | None, micro: int, accumulation: int, wor
     return product
 
 
+@dataclass(frozen=True, kw_only=True)
+class ZeroSettings:
+    """The ZeRO choices of a run (the `deepspeed` config group)."""
+
+    stage: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+
+
 def build(
-    stage: int,
-    offload_optimizer: bool,
-    offload_param: bool,
-    overlap_comm: bool,
-    contiguous_gradients: bool,
+    *,
+    zero: ZeroSettings,
     precision: str,
     micro: int,
     accumulation: int,
@@ -67,24 +67,24 @@ def build(
     global_batch: int | None = None,
 ) -> dict:
     """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's)."""
-    zero: dict = {"stage": stage}
-    if stage > 0:
-        zero.update(overlap_comm=overlap_comm, contiguous_gradients=contiguous_gradients)
-    if stage in (1, 2):
+    section: dict = {"stage": zero.stage}
+    if zero.stage > 0:
+        section.update(overlap_comm=zero.overlap_comm, contiguous_gradients=zero.contiguous_gradients)
+    if zero.stage in (1, 2):
         # reduce_scatter on: DeepSpeed #8382 skipped the all-reduce on CPU with both of these off.
-        zero.update(reduce_scatter=True)
-    if stage == 3:
-        zero.update(stage3_gather_16bit_weights_on_model_save=False)
-    if offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    if offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        section.update(reduce_scatter=True)
+    if zero.stage == 3:
+        section.update(stage3_gather_16bit_weights_on_model_save=False)
+    if zero.offload_optimizer:
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if zero.offload_param:
+        section["offload_param"] = {"device": "cpu", "pin_memory": False}
     config = {
-        "train_batch_size": check_batch(global_batch, micro, accumulation, world_size),
+        "train_batch_size": check_batch(global_batch, micro=micro, accumulation=accumulation, world_size=world_size),
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": max_grad_norm,
-        "zero_optimization": zero,
+        "zero_optimization": section,
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True},
@@ -97,6 +97,6 @@ def build(
         config["bf16"] = {"enabled": True}
     elif precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
-    if offload_optimizer:
+    if zero.offload_optimizer:
         del config["optimizer"]["params"]["torch_adam"]  # offload uses DeepSpeedCPUAdam
     return config

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoints import adapter
 from pipeline.dataset import IGNORE_INDEX, encode, sft_segments
 from pipeline.textio import read_documents, read_jsonl
 
@@ -64,7 +65,7 @@ def text_examples(tokenizer, path: Path, max_bytes: int | None) -> list[Example]
     ]
 
 
-def sft_examples(tokenizer, path: Path, template: str, max_bytes: int | None) -> list[Example]:
+def sft_examples(tokenizer, path: Path, *, template: str, max_bytes: int | None) -> list[Example]:
     """Instruction rows: only the response tokens are scored (and their bytes counted)."""
     examples, total = [], 0
     for row in read_jsonl(path, ()):
@@ -94,7 +95,9 @@ def windows(example: Example, context: int, stride: int) -> list[tuple[list[int]
     return out
 
 
-def score(model, examples: list[Example], context: int, stride: int, batch_size: int, desc: str | None = None) -> Score:
+def score(
+    model, examples: list[Example], *, context: int, stride: int, batch_size: int, desc: str | None = None
+) -> Score:
     """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`)."""
     from tqdm import tqdm
 
@@ -120,7 +123,7 @@ def score(model, examples: list[Example], context: int, stride: int, batch_size:
     return Score(nll, tokens, sum(e.nbytes for e in examples))
 
 
-def greedy_samples(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
+def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int) -> list[str]:
     device = next(model.parameters()).device
     texts = []
     with torch.inference_mode():
@@ -147,9 +150,9 @@ def load_model(model_dir: Path, adapter_dir: Path | None):
         from peft import PeftModel
         from safetensors import safe_open
 
-        if not (adapter_dir / "adapter_config.json").is_file():
-            raise FileNotFoundError(f"{adapter_dir}: no adapter_config.json; expected a PEFT adapter folder")
-        with safe_open(adapter_dir / "adapter_model.safetensors", "pt") as f:
+        if not (adapter_dir / adapter.CONFIG).is_file():
+            raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
+        with safe_open(adapter_dir / adapter.WEIGHTS, "pt") as f:
             rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
         if rows and rows[0] != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(rows[0], mean_resizing=False)
@@ -166,11 +169,13 @@ def check_vocabulary(tokenizer, model, where: str) -> None:
         )
 
 
-def load_examples(tokenizer, path: Path, template: str, max_bytes: int | None, context: int, key: str) -> list[Example]:
+def load_examples(
+    tokenizer, path: Path, *, template: str, max_bytes: int | None, context: int, key: str
+) -> list[Example]:
     """A set's examples: JSONL rows as instruction data (responses scored), anything else as text lines."""
     path = Path(path)
     if path.suffix == ".jsonl":
-        examples = sft_examples(tokenizer, path, template, max_bytes)
+        examples = sft_examples(tokenizer, path, template=template, max_bytes=max_bytes)
     else:
         examples = text_examples(tokenizer, path, max_bytes)
     scored = sum(sum(e.scored) for e in examples)

@@ -16,13 +16,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline import safetensors_stream
-from pipeline.atomic import atomic_path
-from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DTYPES
-from pipeline.safetensors_stream import Stored, stored
+from pipeline.atomic import atomic_path, read_json
+from pipeline.checkpoints import adapter as adapter_format
+from pipeline.checkpoints import safetensors_stream
+from pipeline.checkpoints.adapter import PREFIX
+from pipeline.checkpoints.safetensors_stream import Stored, stored
+from pipeline.merge_verify import TOLERANCES, logits_gap
+from pipeline.precision import DTYPES, dtype_name
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
-PREFIX = "base_model.model."
 REPORT = "merge_report.json"
 INDEX = "model.safetensors.index.json"
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -47,26 +49,19 @@ def parse_size(text: str) -> int:
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
-    """adapter_config.json and the adapter's tensors (not read yet)."""
-    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path}: missing; expected the adapter's LoRA config")
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"{weights_path}: missing; expected the adapter's tensors")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{config_path}: peft_type {config.get('peft_type')!r}; only LORA adapters merge here")
+    """adapter_config.json and the adapter's tensors (not read yet); variants this merge cannot fold are refused."""
+    config, tensors = adapter_format.read(adapter_dir)
     for flag in ("use_dora", "lora_bias"):
         if config.get(flag):
-            raise ValueError(f"{config_path}: {flag} is true; not supported by this merge")
-    return config, stored(weights_path)
+            raise ValueError(f"{adapter_dir / adapter_format.CONFIG}: {flag} is true; not supported by this merge")
+    return config, tensors
 
 
 def base_tensors(base_dir: Path) -> dict[str, Stored]:
     """Every base tensor, in shard order, from the safetensors headers only."""
     index = base_dir / INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
     elif (base_dir / "model.safetensors").is_file():
         shards = ["model.safetensors"]
     else:
@@ -83,7 +78,7 @@ def _pattern_value(patterns: dict, module: str, default):
 
 
 def plan_merge(
-    config: dict, adapter: dict[str, Stored], base: dict[str, Stored], tied: bool, embed: str, head: str
+    *, config: dict, adapter: dict[str, Stored], base: dict[str, Stored], tied: bool, embed: str, head: str
 ) -> Plan:
     """Check that adapter and base fit, and decide every output tensor."""
     plan = Plan()
@@ -126,11 +121,11 @@ def plan_merge(
                 raise ValueError(f"adapter tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
             plan.replacements[target] = adapter[key]
     plan.vocab_rows = plan.replacements.get(embed, base[embed]).shape[0]
-    _decide_tie(plan, tied, embed, head, base[embed].shape[0])
+    _decide_tie(plan, tied=tied, embed=embed, head=head, base_rows=base[embed].shape[0])
     return plan
 
 
-def _decide_tie(plan: Plan, tied: bool, embed: str, head: str, base_rows: int) -> None:
+def _decide_tie(plan: Plan, *, tied: bool, embed: str, head: str, base_rows: int) -> None:
     if not tied:
         return
     new_embed, new_head = plan.replacements.get(embed), plan.replacements.get(head)
@@ -175,7 +170,7 @@ def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list
     return [*shards, current] if current else shards
 
 
-def write_merged(out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max_bytes: int) -> int:
+def write_merged(*, out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max_bytes: int) -> int:
     """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
     kind = DTYPES[dtype]
     sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
@@ -204,36 +199,13 @@ def write_merged(out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max
     return count
 
 
-TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
-
-
-def logits_gap(base_dir: Path, adapter_dir: Path, merged_dir: Path, rows: int, seed: int = 0) -> dict:
-    """Base + adapter (through PEFT) against the merged model on fixed token sequences, both in fp32."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    ids = torch.randint(0, rows, (2, 48), generator=torch.Generator().manual_seed(seed))
-    with torch.inference_mode():
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        if base.get_input_embeddings().weight.shape[0] != rows:
-            base.resize_token_embeddings(rows, mean_resizing=False)
-        expected = PeftModel.from_pretrained(base, str(adapter_dir)).eval()(input_ids=ids).logits.float()
-        del base
-        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-        got = merged(input_ids=ids).logits.float()
-    log_p, log_q = expected.log_softmax(-1), got.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    return {"max_abs_logit_diff": float((expected - got).abs().max()), "mean_kl": float(kl), "tokens": ids.numel()}
-
-
 EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight")
 HEADS = ("lm_head.weight", "embed_out.weight")
 
 
-def _embedding_names(base_dir: Path, base: dict[str, Stored]) -> tuple[str, str, bool]:
+def _embedding_names(base_dir: Path, config: dict, base: dict[str, Stored]) -> tuple[str, str, bool]:
     """(input embedding weight, output embedding weight, tied): the usual names, else from the architecture
     (importing transformers costs ~150 MB, which the merge otherwise never needs)."""
-    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
     embed = next((name for name in EMBEDDINGS if name in base), None)
     head = next((name for name in HEADS if name in base), None)
     if embed is not None:
@@ -251,9 +223,8 @@ def _embedding_names(base_dir: Path, base: dict[str, Stored]) -> tuple[str, str,
     )
 
 
-def _write_config(base_dir: Path, out: Path, rows: int, tied: bool, dtype: str) -> None:
-    config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
-    config.update(vocab_size=rows, tie_word_embeddings=tied, dtype=str(DTYPES[dtype]).removeprefix("torch."))
+def _write_config(config: dict, *, out: Path, rows: int, tied: bool, dtype: str) -> None:
+    config = {**config, "vocab_size": rows, "tie_word_embeddings": tied, "dtype": dtype_name(DTYPES[dtype])}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -267,6 +238,7 @@ def _check_tokenizer(folder: Path, rows: int) -> int:
 
 
 def merge(
+    *,
     base_dir: Path,
     adapter_dir: Path,
     out_dir: Path,
@@ -277,25 +249,30 @@ def merge(
     max_kl: float | None = None,
 ) -> dict:
     """Merge, write config/tokenizer/generation config, verify; OUT_DIR appears only when all of it passed."""
-    if dtype not in DTYPES:
-        raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(DTYPES)}")
+    if dtype not in TOLERANCES:
+        raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(TOLERANCES)}")
     if not base_dir.is_dir():
         raise FileNotFoundError(f"{base_dir}: no such base model folder")
     max_bytes = parse_size(max_shard_size)
     config, adapter = read_adapter(adapter_dir)
-    base = base_tensors(base_dir)
-    embed, head, tied = _embedding_names(base_dir, base)
-    plan = plan_merge(config, adapter, base, tied, embed, head)
+    base, base_config = base_tensors(base_dir), read_json(base_dir / "config.json")
+    embed, head, tied = _embedding_names(base_dir, base_config, base)
+    plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
     tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)
     report = {
-        "lora_layers": len(plan.deltas), "replaced": sorted(plan.replacements), "tied": tied and not plan.extra,
-        "notes": plan.notes, "vocab_rows": plan.vocab_rows, "tokenizer_size": tokens, "dtype": dtype,
-    }  # fmt: skip
+        "lora_layers": len(plan.deltas),
+        "replaced": sorted(plan.replacements),
+        "tied": tied and not plan.extra,
+        "notes": plan.notes,
+        "vocab_rows": plan.vocab_rows,
+        "tokenizer_size": tokens,
+        "dtype": dtype,
+    }
     with atomic_path(out_dir) as tmp:
         tmp.mkdir()
-        report["shards"] = write_merged(tmp, base, plan, dtype, max_bytes)
-        _write_config(base_dir, tmp, plan.vocab_rows, report["tied"], dtype)
+        report["shards"] = write_merged(out=tmp, base=base, plan=plan, dtype=dtype, max_bytes=max_bytes)
+        _write_config(base_config, out=tmp, rows=plan.vocab_rows, tied=report["tied"], dtype=dtype)
         for name in ("generation_config.json",):
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, tmp / name)
@@ -305,7 +282,7 @@ def merge(
         if verify:
             limit_abs, limit_kl = TOLERANCES[dtype]
             limit_abs, limit_kl = max_abs_logit_diff or limit_abs, max_kl or limit_kl
-            gap = logits_gap(base_dir, adapter_dir, tmp, plan.vocab_rows)
+            gap = logits_gap(base_dir=base_dir, adapter_dir=adapter_dir, merged_dir=tmp, rows=plan.vocab_rows)
             report["verification"] = {**gap, "limit_abs": limit_abs, "limit_kl": limit_kl}
             if gap["max_abs_logit_diff"] > limit_abs or gap["mean_kl"] > limit_kl:
                 raise ValueError(

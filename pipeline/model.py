@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,39 +53,42 @@ def resize_embeddings(model, new_size: int, init: str) -> int:
     return old
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoraSpec:
+    """The adapter to train (the `lora` config group)."""
+
+    r: int
+    alpha: float
+    dropout: float
+    use_rslora: bool
+    target_modules: list[str]
+    modules_to_save: list[str]
+    init_new_embeddings: str = "mean"  # mean | normal: rows added by the resize
+
+
 def load_lora_model(
-    base_dir: Path,
-    vocab_rows: int,
-    init_new_embeddings: str,
-    r: int,
-    alpha: float,
-    dropout: float,
-    use_rslora: bool,
-    target_modules: list[str],
-    modules_to_save: list[str],
-    seed: int,
-    gradient_checkpointing: bool,
+    *, base_dir: Path, vocab_rows: int, lora: LoraSpec, seed: int, gradient_checkpointing: bool = False
 ):
     """Base model in fp32, resized to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    check_targets(model, target_modules, modules_to_save)
-    resize_embeddings(model, vocab_rows, init_new_embeddings)
+    check_targets(model, lora.target_modules, lora.modules_to_save)
+    resize_embeddings(model, vocab_rows, lora.init_new_embeddings)
     model.config.use_cache = False
-    lora = LoraConfig(
-        r=r,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        use_rslora=use_rslora,
-        target_modules=list(target_modules),  # PEFT edits the lists it is given
-        modules_to_save=list(modules_to_save) or None,
-        ensure_weight_tying=bool(model.config.tie_word_embeddings and modules_to_save),
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        use_rslora=lora.use_rslora,
+        target_modules=list(lora.target_modules),  # PEFT edits the lists it is given
+        modules_to_save=list(lora.modules_to_save) or None,
+        ensure_weight_tying=bool(model.config.tie_word_embeddings and lora.modules_to_save),
         task_type="CAUSAL_LM",
     )
     torch.manual_seed(seed)
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, config)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -7,7 +7,7 @@ import math
 import torch
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int, kind: str) -> float:
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, kind: str) -> float:
     """Multiplier of the peak LR at optimizer step `step`: linear warmup, then cosine/linear decay to 0."""
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
@@ -26,7 +26,7 @@ def steps_per_epoch(n_rows: int, global_batch: int) -> int:
     return n_rows // global_batch
 
 
-def global_batch(step: int, n_rows: int, global_batch_size: int, seed: int) -> torch.Tensor:
+def global_batch(step: int, *, n_rows: int, global_batch_size: int, seed: int) -> torch.Tensor:
     """Row indices of optimizer step `step`: a seeded permutation per epoch, cut into global batches."""
     per_epoch = steps_per_epoch(n_rows, global_batch_size)
     epoch, position = divmod(step, per_epoch)
@@ -34,7 +34,7 @@ def global_batch(step: int, n_rows: int, global_batch_size: int, seed: int) -> t
     return order[position * global_batch_size : (position + 1) * global_batch_size]
 
 
-def micro_batch(batch: torch.Tensor, rank: int, world_size: int, micro: int, index: int) -> list[int]:
+def micro_batch(batch: torch.Tensor, *, rank: int, world_size: int, micro: int, index: int) -> list[int]:
     """Rows of micro-batch `index` of `rank`: the same global batch is covered whatever the world size."""
     start = (index * world_size + rank) * micro
     return batch[start : start + micro].tolist()

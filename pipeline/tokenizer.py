@@ -8,6 +8,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
+from pipeline.atomic import read_json
+
 SP_MODEL = "tokenizer.model"
 HF_TOKENIZER = "tokenizer.json"
 META = "pipeline_tokenizer.json"
@@ -39,7 +41,7 @@ def vocabulary_size(folder: Path) -> int:
     path = Path(folder) / HF_TOKENIZER
     if not path.is_file():
         return len(load_tokenizer(folder))
-    data = json.loads(path.read_text(encoding="utf-8"))
+    data = read_json(path)
     vocab = data["model"]["vocab"]
     ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
     return max([*ids, *(t["id"] for t in data.get("added_tokens", []))]) + 1
@@ -65,7 +67,7 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_type: str, character_coverage: float) -> bytes:
+def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: str, character_coverage: float) -> bytes:
     """Train a SentencePiece model in memory; returns the serialized ModelProto."""
     import sentencepiece as spm
 
@@ -154,7 +156,7 @@ def tokenizer_kind(folder: Path) -> str:
         return "sentencepiece"
     tokenizer_json = folder / HF_TOKENIZER
     if tokenizer_json.is_file():
-        spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+        spec = read_json(tokenizer_json)
         if spec["model"]["type"] == "BPE" and "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
             return "byte_level_bpe"
     raise ValueError(
@@ -164,7 +166,7 @@ def tokenizer_kind(folder: Path) -> str:
 
 
 def write_extended(
-    base_dir: Path, out_dir: Path, texts: list[str], vocab_size: int, model_type: str, character_coverage: float
+    base_dir: Path, out_dir: Path, texts: list[str], *, vocab_size: int, model_type: str, character_coverage: float
 ) -> int:
     """Write the extended HF tokenizer folder into `out_dir` (which must not exist); return pieces added."""
     kind = tokenizer_kind(base_dir)
@@ -179,7 +181,9 @@ def write_extended(
                 f"tokenizer.model_type: the base SentencePiece model is {sentencepiece_type(base)}; expected the "
                 f"same, got {model_type!r}"
             )
-        learned = train_sentencepiece(texts, vocab_size, model_type, character_coverage)
+        learned = train_sentencepiece(
+            texts, vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage
+        )
         merged, added = extend_sentencepiece(base, learned)
         (out_dir / SP_MODEL).write_bytes(merged)
         (out_dir / "learned_sentencepiece.model").write_bytes(learned)
@@ -189,7 +193,7 @@ def write_extended(
                 f"tokenizer.model_type: a byte-level BPE base can only be extended with merges, expected 'bpe', "
                 f"got {model_type!r}"
             )
-        base_json = json.loads((base_dir / HF_TOKENIZER).read_text(encoding="utf-8"))
+        base_json = read_json(base_dir / HF_TOKENIZER)
         merges = learn_byte_level_merges(base_json, texts, vocab_size)
         extended, added = extend_byte_level(base_json, merges)
         (out_dir / HF_TOKENIZER).write_text(json.dumps(extended, ensure_ascii=False), encoding="utf-8")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import itertools
-import json
 import os
 import re
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from pipeline.atomic import write_json
+from pipeline.atomic import read_json, write_json
 
 T = TypeVar("T")
 
@@ -98,7 +97,7 @@ def _git(args: list[str], cwd: Path | None) -> str | None:
 class Tracker:
     """One MLflow run, logged through an explicit MlflowClient; after the first failure every call is a no-op."""
 
-    def __init__(self, client: Any = None, run_id: str | None = None, uri: str = "", missing: str | None = None):
+    def __init__(self, *, client: Any = None, run_id: str | None = None, uri: str = "", missing: str | None = None):
         self.client = client
         self.run_id = run_id
         self.uri = uri
@@ -217,6 +216,7 @@ def open_run(
     uri: str,
     experiment: str,
     run_id_file: Path,
+    *,
     execution: str | None = None,
     run_name: str | None = None,
     parent_run_id: str | None = None,
@@ -246,14 +246,16 @@ def open_run(
                 if recorded.get("run_id") and same_store:
                     _retry_locked(lambda: _end_interrupted(client, recorded["run_id"]))
                 tags = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
-                run_id = _retry_locked(lambda: _create(client, experiment, run_name, tags, _artifact_root(uri)))
+                run_id = _retry_locked(
+                    lambda: _create(client, experiment, run_name=run_name, tags=tags, artifact_root=_artifact_root(uri))
+                )
     except Exception as err:  # tracking must never stop training
         _warn(f"cannot open a run on {_redact(uri)}", err)
         reason = f"{type(err).__name__} on {_redact(uri)}"
         write_json(run_id_file, {"execution": execution, "missing": reason, "tracking_uri": _redact(uri)})
         return Tracker(uri=uri, missing=reason)
     write_json(run_id_file, {"execution": execution, "run_id": run_id, "tracking_uri": _redact(uri)})
-    return Tracker(client, run_id, uri)
+    return Tracker(client=client, run_id=run_id, uri=uri)
 
 
 def resolve_uri(uri: str, root: Path) -> str:
@@ -266,7 +268,7 @@ def resolve_uri(uri: str, root: Path) -> str:
 
 def _read_record(run_id_file: Path) -> dict:
     try:
-        recorded = json.loads(run_id_file.read_text(encoding="utf-8"))
+        recorded = read_json(run_id_file)
     except (OSError, ValueError):
         return {}
     return recorded if isinstance(recorded, dict) else {}
@@ -325,7 +327,7 @@ def _end_interrupted(client: Any, run_id: str) -> None:
             raise
 
 
-def _create(client: Any, experiment: str, run_name: str | None, tags: dict, artifact_root: str | None) -> str:
+def _create(client: Any, experiment: str, *, run_name: str | None, tags: dict, artifact_root: str | None) -> str:
     """Start a run in `experiment`, creating the experiment if needed (tolerating a concurrent creator)."""
     from mlflow.exceptions import MlflowException
 

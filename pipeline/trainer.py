@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
 import resource
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,15 +12,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline import checkpoint as ckpt
-from pipeline.convert import link_optimizer_state, load_universal
+from pipeline.atomic import atomic_path, read_json
+from pipeline.checkpoints import folder
+from pipeline.checkpoints.universal import link_optimizer_state, load_universal
+from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.schedule import global_batch, lr_factor, micro_batch
-from pipeline.tokenizer import FILES as TOKENIZER_FILES
-from pipeline.zero_checkpoint import MOMENTS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """What the loop needs to know about steps and batches."""
 
@@ -72,7 +70,7 @@ def _all_reduce_sum(values: list[float], device) -> list[float]:
     return tensor.tolist()
 
 
-def validate(engine, rows, rank: int, world_size: int, micro: int, pad_id: int) -> tuple[float, int]:
+def validate(engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int) -> tuple[float, int]:
     """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
     n = len(rows)
     per_rank = math.ceil(n / world_size)
@@ -109,29 +107,6 @@ def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]
     return state
 
 
-def save_checkpoint(engine, directory: Path, step: int, state: dict, tokenizer_dir: Path, keep_last: int) -> str:
-    """DeepSpeed shards + adapter config + tokenizer + RNG; `latest` moves only when every rank is done."""
-    import deepspeed.comm as dist
-
-    tag, rank = ckpt.tag_for(step), dist.get_rank()
-    if rank == 0 and (directory / tag).exists():
-        shutil.rmtree(directory / tag)  # a save interrupted earlier at this step
-    dist.barrier()
-    engine.save_checkpoint(str(directory), tag=tag, save_latest=False, exclude_frozen_parameters=True)
-    torch.save(ckpt.rng_state(), ckpt.rng_file(directory, tag, rank))
-    dist.barrier()
-    if rank == 0:
-        engine.module.peft_config["default"].save_pretrained(str(directory / tag))
-        for name in TOKENIZER_FILES:
-            if (tokenizer_dir / name).is_file():
-                shutil.copy2(tokenizer_dir / name, directory / tag / name)
-        (directory / tag / ckpt.STATE).write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
-        ckpt.point_latest(directory, tag)
-        ckpt.prune(directory, keep_last)
-    dist.barrier()
-    return tag
-
-
 def peak_memory_bytes(device) -> int:
     """Peak memory of this rank: accelerator allocations on a GPU, resident set size on the CPU."""
     if str(device).startswith("cuda"):
@@ -139,7 +114,7 @@ def peak_memory_bytes(device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def resume(engine, directory: Path, resume_from: Path | None, universal: Path | None, seed: int) -> dict | None:
+def resume(*, engine, directory: Path, resume_from: Path | None, universal: Path | None, seed: int) -> dict | None:
     """Load what the run continues from into `engine` and return its trainer state (None: a fresh start): the
     universal checkpoint of another layout when given (each rank's RNG is then reseeded from the seed, step and
     rank: per-rank streams do not map across world sizes), else the newest complete checkpoint of `directory`,
@@ -149,18 +124,37 @@ def resume(engine, directory: Path, resume_from: Path | None, universal: Path | 
     rank = dist.get_rank()
     if universal is not None:
         load_universal(engine, universal)
-        saved = json.loads((universal / ckpt.STATE).read_text(encoding="utf-8"))
-        ckpt.seed_rng(seed * 1_000_003 + saved["step"] * 1_009 + rank)
+        saved = read_json(universal / folder.STATE)
+        folder.seed_rng(seed * 1_000_003 + saved["step"] * 1_009 + rank)
         return saved
-    source = directory if ckpt.latest_tag(directory) else resume_from
-    if source is None or (tag := ckpt.latest_tag(source)) is None:
+    source = directory if folder.latest_tag(directory) else resume_from
+    if source is None or (tag := folder.latest_tag(source)) is None:
         return None
     engine.load_checkpoint(str(source), tag=tag, load_module_strict=False)
-    ckpt.set_rng_state(torch.load(ckpt.rng_file(source, tag, rank), weights_only=False))
-    return ckpt.read_state(source, tag)
+    folder.set_rng_state(torch.load(folder.rng_file(source, tag, rank), weights_only=False))
+    return folder.read_state(source, tag)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reporting:
+    """How the loop reports: a step's figures to the tracker, the progress bar, and the run's final figures
+    (the loop's summary -> the metrics file's content, which the final checkpoint keeps)."""
+
+    log: Callable[[dict, int], None]
+    progress: Callable[[int, dict], None]
+    describe: Callable[[dict], dict]
+
+
+def _max_over_ranks(value: float, device) -> float:
+    import deepspeed.comm as dist
+
+    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
 
 
 def train(
+    *,
     engine,
     train_rows,
     val_rows,
@@ -170,27 +164,32 @@ def train(
     pad_id: int,
     run_state: dict,
     saved: dict | None,
-    log: Callable[[dict, int], None],
-    progress: Callable[[int, dict], None],
+    reporting: Reporting,
 ) -> dict:
-    """Run optimizer steps up to schedule.max_steps, from the trainer state `resume` returned (None: step 0)."""
+    """Train from the step `resume` returned (None: step 0) to `schedule.max_steps`; returns the run's metrics
+    (`reporting.describe` of the summary). Seconds, tokens and peak memory accumulate over resumed segments, and
+    the final checkpoint keeps the metrics: a run that finds it already final returns them, marked as such."""
     import deepspeed.comm as dist
 
+    if saved is not None and saved["step"] >= schedule.max_steps and saved.get("metrics"):
+        return {**saved["metrics"], "reused_checkpoint": folder.tag_for(saved["step"])}
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accumulation = schedule.micro_batch_size, schedule.accumulation
     global_size = micro * accumulation * world
-    history, start, tokens, train_seconds = History(), 0, 0.0, 0.0
+    history, start, tokens, train_seconds, wall_before, peak_before = History(), 0, 0.0, 0.0, 0.0, 0.0
     if saved is not None:
         start, history = saved["step"], History(**saved["history"])
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
-    begin, last_loss = time.perf_counter(), float("nan")
+        wall_before, peak_before = saved.get("wall_seconds", 0.0), saved.get("peak_memory_bytes", 0.0)
+    begin = time.perf_counter()
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     for step in range(start, schedule.max_steps):
         tick = time.perf_counter()
-        batch_rows = global_batch(step, len(train_rows), global_size, schedule.seed)
+        batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
         loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
         for index in range(accumulation):
-            rows = [train_rows[i] for i in micro_batch(batch_rows, rank, world, micro, index)]
+            indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
+            rows = [train_rows[i] for i in indices]
             batch = _to(collate(rows, pad_id), engine.device)
             loss = engine(**batch).loss
             engine.backward(loss)
@@ -206,33 +205,57 @@ def train(
         done = step + 1 == schedule.max_steps
         if (step + 1) % schedule.eval_every == 0 or done:
             subset = val_rows.select(range(min(len(val_rows), schedule.eval_max_rows or len(val_rows))))
-            val_loss, _ = validate(engine, subset, rank, world, micro, pad_id)
+            val_loss, _ = validate(engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id)
             entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
             history.validation.append(entry)
             record = {**record, **entry}
         throughput = tokens / max(train_seconds, 1e-9)
-        log({**record, "tokens_per_s": throughput}, step + 1)
-        progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
+        reporting.log({**record, "tokens_per_s": throughput}, step + 1)
+        reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
         if (step + 1) % schedule.save_every == 0 or done:
+            peak = max(peak_before, _max_over_ranks(peak_memory_bytes(engine.device), engine.device))
+            wall = wall_before + time.perf_counter() - begin
             state = {
                 **run_state,
                 "step": step + 1,
                 "history": history.__dict__,
                 "tokens_seen": tokens,
                 "train_seconds": train_seconds,
+                "wall_seconds": wall,
+                "peak_memory_bytes": peak,
             }
-            save_checkpoint(engine, directory, step + 1, state, tokenizer_dir, schedule.keep_last)
-    final_val = history.validation[-1] if history.validation else {}
+            if done:
+                figures = _summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peak)
+                state["metrics"] = metrics = reporting.describe(figures)
+            folder.save(
+                engine=engine,
+                directory=directory,
+                step=step + 1,
+                state=state,
+                tokenizer_dir=tokenizer_dir,
+                keep_last=schedule.keep_last,
+            )
+    if start >= schedule.max_steps:  # a final checkpoint written before checkpoints kept their metrics
+        figures = _summary(history, start, start, tokens, train_seconds, None, None)
+        metrics = {**reporting.describe(figures), "reused_checkpoint": folder.tag_for(start)}
+    return {**metrics, "history": history.__dict__}
+
+
+def _summary(
+    history: History, steps: int, start: int, tokens: float, seconds: float, wall: float | None, peak: float | None
+) -> dict:
+    """The loop's figures (None where unknown)."""
+    validation = history.validation[-1] if history.validation else {}
     return {
-        "steps": schedule.max_steps,
+        "steps": steps,
         "resumed_from_step": start,
-        "final_train_loss": history.train[-1]["loss"] if history.train else last_loss,
-        "val_loss": final_val.get("val_loss"),
-        "val_perplexity": final_val.get("val_perplexity"),
-        "tokens_per_s": tokens / max(train_seconds, 1e-9),
-        "train_seconds": train_seconds,
-        "wall_seconds": time.perf_counter() - begin,
-        "history": history.__dict__,
+        "final_train_loss": history.train[-1]["loss"] if history.train else None,
+        "val_loss": validation.get("val_loss"),
+        "val_perplexity": validation.get("val_perplexity"),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "train_seconds": seconds,
+        "wall_seconds": wall,
+        "peak_memory_mb": None if peak is None else peak / 2**20,
     }
 
 
@@ -247,7 +270,7 @@ def lr_scheduler_factory(schedule: Schedule) -> Callable:
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
 
 
-def mfu(tokens_per_s: float, n_params: int, model_config, seq_len: int, world: int, device) -> float | None:
+def mfu(*, tokens_per_s: float, n_params: int, model_config, seq_len: int, world: int, device) -> float | None:
     """Model FLOPs utilisation on a GPU with the LoRA convention: 4N per token (forward, and backward through
     frozen weights) plus attention, 12 x layers x hidden x sequence; None on the CPU or an unknown GPU."""
     if not str(device).startswith("cuda"):
@@ -262,8 +285,6 @@ def mfu(tokens_per_s: float, n_params: int, model_config, seq_len: int, world: i
 
 def write_curve(path: Path, history: dict) -> None:
     """One CSV row per step: loss and LR, validation figures where measured (a DVC plot)."""
-    from pipeline.atomic import atomic_path
-
     validation = {v["step"]: v for v in history["validation"]}
     lines = ["step,loss,lr,val_loss,val_perplexity"]
     for row in history["train"]:

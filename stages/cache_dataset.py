@@ -1,23 +1,22 @@
 """Stage cache_dataset: tokenize and pack the training data into an Arrow dataset (train/validation)."""
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from pipeline import config
-from pipeline.atomic import atomic_path, write_json
+from pipeline.atomic import atomic_path, read_json, write_json
 from pipeline.dataset import build_instruction, build_pretraining, save_splits
 from pipeline.textio import read_documents, read_jsonl
 from pipeline.tokenizer import load_tokenizer
-from stages.common import run
+from stages._common import run
 
 REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     d = cfg.data
-    positions = json.loads(args.base_config.read_text(encoding="utf-8"))["max_position_embeddings"]
+    positions = read_json(args.base_config)["max_position_embeddings"]
     key, length = ("data.block_size", d.block_size) if d.format == "text" else ("data.max_seq_len", d.max_seq_len)
     if length > positions:
         raise ValueError(f"{key}: {length} exceeds the model's max_position_embeddings ({positions})")
@@ -25,11 +24,23 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     start = time.perf_counter()
     if d.format == "text":
         documents = read_documents(d.train_file)
-        tables, stats = build_pretraining(tokenizer, documents, d.block_size, d.tail, d.validation_fraction, d.seed)
+        tables, stats = build_pretraining(
+            tokenizer,
+            documents,
+            block_size=d.block_size,
+            tail=d.tail,
+            validation_fraction=d.validation_fraction,
+            seed=d.seed,
+        )
     else:
         rows = read_jsonl(d.train_file, REQUIRED_FIELDS[d.format])
         tables, stats = build_instruction(
-            tokenizer, rows, d.prompt_template, d.max_seq_len, d.validation_fraction, d.seed
+            tokenizer,
+            rows,
+            template=d.prompt_template,
+            max_seq_len=d.max_seq_len,
+            validation_fraction=d.validation_fraction,
+            seed=d.seed,
         )
     seconds = time.perf_counter() - start
     with atomic_path(args.out) as tmp:

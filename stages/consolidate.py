@@ -1,16 +1,16 @@
-"""Stage consolidate: the newest complete DeepSpeed checkpoint -> a PEFT adapter folder (pipeline/consolidate.py)."""
+"""Stage consolidate: the newest complete DeepSpeed checkpoint -> a verified PEFT adapter folder."""
 
 import argparse
 from pathlib import Path
 
 from pipeline import config
 from pipeline.atomic import write_json
-from pipeline.consolidate import consolidate
-from stages.common import run
+from pipeline.checkpoints.consolidate import consolidate
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    manifest = consolidate(args.checkpoints, args.out, None, None)
+    manifest = consolidate(checkpoint_dir=args.checkpoints, output_dir=args.out)
     source = manifest["source"]
     metrics = {
         "tensors": len(manifest["tensors"]),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline import config
 from pipeline.atomic import atomic_path, write_json
-from stages.common import run
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -29,15 +29,29 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     for name, (folder, adapter, tokenizer_dir) in models.items():
         tokenizer = load_tokenizer(tokenizer_dir)
         sets = {
-            s: ev.load_examples(tokenizer, Path(p), cfg.data.prompt_template, e.max_bytes, e.context, f"eval.sets.{s}")
+            s: ev.load_examples(
+                tokenizer,
+                Path(p),
+                template=cfg.data.prompt_template,
+                max_bytes=e.max_bytes,
+                context=e.context,
+                key=f"eval.sets.{s}",
+            )
             for s, p in e.sets.items()
         }
         model = ev.load_model(folder, adapter)
         ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
         for set_name, examples in sets.items():
-            scored = ev.score(model, examples, e.context, e.stride, e.batch_size, f"evaluate {name}/{set_name}")
+            scored = ev.score(
+                model,
+                examples,
+                context=e.context,
+                stride=e.stride,
+                batch_size=e.batch_size,
+                desc=f"evaluate {name}/{set_name}",
+            )
             results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
-        samples[name] = ev.greedy_samples(model, tokenizer, e.prompts, e.max_new_tokens)
+        samples[name] = ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
         del model
     write_json(args.metrics, results)
     rows = ["set,model,bits_per_byte,perplexity"]

@@ -6,13 +6,20 @@ from pathlib import Path
 from pipeline import config
 from pipeline.atomic import write_json
 from pipeline.merge import merge
-from stages.common import run
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     m = cfg.merge
     report = merge(
-        args.base, args.adapter, args.out, m.dtype, m.max_shard_size, m.verify, m.max_abs_logit_diff, m.max_kl
+        base_dir=args.base,
+        adapter_dir=args.adapter,
+        out_dir=args.out,
+        dtype=m.dtype,
+        max_shard_size=m.max_shard_size,
+        verify=m.verify,
+        max_abs_logit_diff=m.max_abs_logit_diff,
+        max_kl=m.max_kl,
     )
     metrics = {"vocab_rows": report["vocab_rows"], **report.get("verification", {})}
     write_json(args.metrics, metrics)

@@ -6,12 +6,16 @@ from pathlib import Path
 from pipeline import assets, config
 from pipeline.atomic import write_json
 from pipeline.base_model import import_base
-from stages.common import run
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     summary = import_base(
-        assets.resolve(cfg.model.path), args.out, args.tokenizer_out, cfg.model.dtype, cfg.model.max_shard_size
+        source=assets.resolve(cfg.model.path),
+        out_dir=args.out,
+        tokenizer_dir=args.tokenizer_out,
+        dtype=cfg.model.dtype,
+        max_shard_size=cfg.model.max_shard_size,
     )
     write_json(args.metrics, summary)
     print(f"prepare_base: {summary}")

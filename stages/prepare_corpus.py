@@ -6,22 +6,12 @@ from pathlib import Path
 from pipeline import config
 from pipeline.atomic import atomic_path, write_json
 from pipeline.corpus import build_packaged_corpora
-from stages.common import run
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    c = cfg.corpus
     with atomic_path(args.out) as tmp:
-        stats = build_packaged_corpora(
-            tmp,
-            c.heldout_fraction,
-            c.wiki_max_chars,
-            c.sft_train_examples,
-            c.sft_heldout_examples,
-            c.chat_train_examples,
-            c.chat_heldout_examples,
-            c.seed,
-        )
+        stats = build_packaged_corpora(tmp, **cfg.corpus.model_dump())
     write_json(args.metrics, stats)
     for name, figures in stats.items():
         print(f"prepare_corpus: {name}: {figures}")

@@ -9,7 +9,7 @@ from pipeline import config
 from pipeline.atomic import atomic_path, write_json
 from pipeline.textio import read_texts
 from pipeline.tokenizer import META, load_tokenizer, round_up, tokens_per_char, write_extended
-from stages.common import run
+from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -24,7 +24,14 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
                     break
                 texts.append(text[:budget])
                 budget -= len(text)
-            added = write_extended(args.base, tmp, texts, t.vocab_size, t.model_type, t.character_coverage)
+            added = write_extended(
+                args.base,
+                tmp,
+                texts,
+                vocab_size=t.vocab_size,
+                model_type=t.model_type,
+                character_coverage=t.character_coverage,
+            )
         else:
             shutil.copytree(args.base, tmp)
             added = 0

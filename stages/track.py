@@ -16,8 +16,9 @@ from pathlib import Path
 import yaml
 
 from pipeline import config, plots
+from pipeline.atomic import read_json
 from pipeline.tracking import numeric_leaves
-from stages.common import RUN_ID_FILE, announce, pipeline_run, run, stage_name
+from stages._common import announce, pipeline_run, run, stage_name
 
 CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
 
@@ -65,7 +66,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         figures: dict[str, float] = {}
         for prefix, path in args.metrics:
             if path.is_file():
-                figures.update(numeric_leaves(json.loads(path.read_text(encoding="utf-8")), f"{prefix}."))
+                figures.update(numeric_leaves(read_json(path), f"{prefix}."))
         tracker.log_metrics({k: v for k, v in figures.items() if k not in logged_metrics})
         if args.curve.is_file():
             tracker.log_series(missing_curve(args.curve, tracker.logged_steps))
@@ -111,5 +112,5 @@ if __name__ == "__main__":
     parser.add_argument("--samples", type=Path, required=True, help="greedy samples (Markdown)")
     parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
     parser.add_argument("--merged", type=Path, required=True, help="merged model folder (registered on request)")
-    parser.add_argument("--run-id-file", type=Path, default=RUN_ID_FILE, help="the pipeline's MLflow run id")
+    parser.add_argument("--run-id-file", type=Path, required=True, help="the pipeline's MLflow run id (JSON)")
     run(main, parser)

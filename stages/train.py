@@ -1,7 +1,6 @@
-"""Stage train: check everything that can be checked, then start the DeepSpeed ranks (stages/train_worker.py)."""
+"""Stage train: check everything that can be checked, then start the DeepSpeed ranks (stages/_train_rank.py)."""
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -11,12 +10,14 @@ from pathlib import Path
 
 from pipeline import config
 from pipeline import ds_config as dsc
-from pipeline.atomic import write_json
-from pipeline.checkpoint import check_same_model, file_digest, fingerprint, latest_tag, layout, read_state
-from pipeline.convert import ensure_universal
+from pipeline.atomic import read_json, write_json
+from pipeline.checkpoints import folder
+from pipeline.checkpoints.universal import ensure_universal
 from pipeline.model import check_targets, meta_model
+from pipeline.processes import free_port, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
-from stages.common import run
+from pipeline.trainer import write_curve
+from stages._common import run
 
 # Not part of a training trajectory: reporting and checkpointing, and how the global batch is split into micro-batches
 # and accumulation steps (a resume under another world size re-splits it).
@@ -24,107 +25,35 @@ UNTRACKED_TRAIN_KEYS = (
     "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
     "gradient_accumulation_steps",
 )  # fmt: skip
+FORWARDED = ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state")
 
 
-def vocab_rows(base: Path, tokenizer: Path, resize: bool) -> int:
+def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
     """Embedding rows for training: the tokenizer's padded size, or the model's when resizing is off."""
-    rows = json.loads((base / "config.json").read_text(encoding="utf-8"))["vocab_size"]
-    meta = json.loads((tokenizer / META).read_text(encoding="utf-8"))
+    meta = read_json(tokenizer / META)
     if resize:
-        return max(rows, meta["padded_vocab_size"])
-    if meta["vocab_size"] > rows:
+        return max(base_rows, meta["padded_vocab_size"])
+    if meta["vocab_size"] > base_rows:
         raise ValueError(
             f"train.resize_embeddings: false, but the tokenizer has {meta['vocab_size']} tokens and the model "
-            f"{rows} embedding rows; expected resize_embeddings=true or a tokenizer of at most {rows} tokens"
+            f"{base_rows} embedding rows; expected resize_embeddings=true or a tokenizer of at most {base_rows} tokens"
         )
-    return rows
+    return base_rows
 
 
-def prepare_checkpoints(directory: Path, run_state: dict, resume_from: Path | None, convert: bool) -> Path | None:
-    """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from. Returns
-    the universal checkpoint to start from when the one to resume was written under another layout."""
-    source = None
-    if tag := latest_tag(directory):
-        state = read_state(directory, tag)
-        if state["fingerprint"] != run_state["fingerprint"]:
-            aside = directory.with_name(directory.name + ".previous")
-            shutil.rmtree(aside, ignore_errors=True)
-            directory.rename(aside)
-            print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
-        else:
-            source = directory / tag
-    elif resume_from is not None:
-        tag = latest_tag(resume_from)
-        if tag is None:
-            raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
-        state, source = read_state(resume_from, tag), resume_from / tag
-    if source is not None:
-        check_same_model(state, source.parent, run_state["identity"])
-    directory.mkdir(parents=True, exist_ok=True)
-    here = (run_state["world_size"], run_state["zero_stage"])
-    if source is None or layout(state) == here:
-        print(f"train: resuming from {source}" if source else "train: starting from step 0")
-        return None
-    written = f"written by {state['world_size']} rank(s) under ZeRO-{state['zero_stage']}"
-    wanted = f"{here[0]} rank(s) under ZeRO-{here[1]}"
-    if not convert:
-        raise ValueError(
-            f"train.convert_layout: {source} was {written}, this run has {wanted}; expected "
-            "train.convert_layout=true to convert it, or the checkpoint's layout"
-        )
-    if 0 in (state["zero_stage"], here[1]):
-        raise ValueError(
-            f"deepspeed.stage: {source} was {written}, this run has {wanted}; ZeRO-0 keeps no partitioned "
-            "optimizer state to convert: expected ZeRO 1-3 on both sides, or the checkpoint's layout"
-        )
-    return convert_for_resume(source, written, wanted)
-
-
-def convert_for_resume(tag_dir: Path, written: str, wanted: str) -> Path:
-    """DeepSpeed's universal form of `tag_dir`, beside it (made now unless a complete one is there)."""
-    start = time.perf_counter()
-    out, manifest = ensure_universal(tag_dir)
-    if manifest is None:
-        print(f"train: {tag_dir} was {written}; resuming with {wanted} from its universal form {out}")
-    else:
-        print(
-            f"train: {tag_dir} was {written}; converted it to DeepSpeed's universal layout "
-            f"({len(manifest['parameters'])} parameters with their Adam moments, step {manifest['step']}, "
-            f"{time.perf_counter() - start:.1f} s) in {out} to resume with {wanted}"
-        )
-    return out
-
-
-def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
-    command = [
-        "deepspeed", "--num_gpus", str(launcher.ranks_per_node), "--num_nodes", str(launcher.num_nodes),
-        "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port or dsc.free_port()),
-    ]  # fmt: skip
-    if launcher.num_nodes > 1:
-        command += ["--hostfile", str(launcher.hostfile), "--no_ssh", "--node_rank", str(launcher.node_rank)]
-    return command + ["--module", "stages.train_worker", *worker_args]
-
-
-def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    t, ds, launcher, lora = cfg.train, cfg.deepspeed, cfg.launcher, cfg.lora
-    accelerator = dsc.accelerator_name(launcher.accelerator)
-    dsc.check_precision(t.precision, accelerator)
-    world = launcher.ranks_per_node * launcher.num_nodes
-    ds_config = dsc.build(
-        ds.stage, ds.offload_optimizer, ds.offload_param, ds.overlap_comm, ds.contiguous_gradients, t.precision,
-        t.micro_batch_size, t.gradient_accumulation_steps, world, t.lr, t.weight_decay, t.max_grad_norm,
-        t.global_batch_size,
-    )  # fmt: skip
+def run_state(args: argparse.Namespace, cfg: config.Config, world: int) -> dict:
+    """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
+    lora, t = cfg.lora, cfg.train
     check_targets(meta_model(args.base), lora.target_modules, lora.modules_to_save)
-    rows = vocab_rows(args.base, args.tokenizer, t.resize_embeddings)
-    base_rows = json.loads((args.base / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    base_rows = read_json(args.base / "config.json")["vocab_size"]
+    rows = vocab_rows(base_rows, args.tokenizer, t.resize_embeddings)
     if rows > base_rows and "embed_tokens" not in lora.modules_to_save:
         raise ValueError(
             f"lora.modules_to_save: the vocabulary grows from {base_rows} to {rows} rows but embed_tokens is not "
             f"trained, so every new token would keep its initial embedding; expected [embed_tokens, lm_head]"
         )
     identity = {
-        "base_config": file_digest([args.base / "config.json"]),
+        "base_config": folder.file_digest([args.base / "config.json"]),
         "vocab_rows": rows,
         "lora_r": lora.r,
         "target_modules": sorted(lora.target_modules),
@@ -134,47 +63,146 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         "lora": lora.model_dump(),
         "train": {k: v for k, v in t.model_dump().items() if k not in UNTRACKED_TRAIN_KEYS},
     }
-    inputs = {name: file_digest([path]) for name, path in (("tokenizer", args.tokenizer), ("dataset", args.dataset))}
-    run_state = {
-        "fingerprint": fingerprint({**inputs, **identity}, settings),
+    inputs = {
+        name: folder.file_digest([path]) for name, path in (("tokenizer", args.tokenizer), ("dataset", args.dataset))
+    }
+    return {
+        "fingerprint": folder.fingerprint({**inputs, **identity}, settings),
         "identity": identity,
         "world_size": world,
-        "zero_stage": ds.stage,
+        "zero_stage": cfg.deepspeed.stage,
     }
-    resume_from = Path(t.resume_from) if t.resume_from else None
-    universal = prepare_checkpoints(args.checkpoints, run_state, resume_from, t.convert_layout)
-    tokenizer = load_tokenizer(args.tokenizer)  # the ranks only need its pad id: they skip loading it
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    write_json(args.checkpoints / "run.json", {**run_state, "pad_token_id": pad or 0})
-    write_json(args.checkpoints / "ds_config.json", ds_config)
 
+
+def finished(directory: Path, state: dict) -> dict | None:
+    """The trainer state of this run's final checkpoint, when it is already there with its metrics."""
+    tag = folder.latest_tag(directory)
+    if tag is None:
+        return None
+    saved = folder.read_state(directory, tag)
+    return saved if saved["fingerprint"] == state["fingerprint"] and saved.get("metrics") else None
+
+
+def prepare_checkpoints(*, directory: Path, state: dict, resume_from: Path | None, convert: bool) -> Path | None:
+    """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from. Returns
+    the universal checkpoint to start from when the one to resume was written under another layout."""
+    source = None
+    if tag := folder.latest_tag(directory):
+        saved = folder.read_state(directory, tag)
+        if saved["fingerprint"] != state["fingerprint"]:
+            aside = directory.with_name(directory.name + ".previous")
+            shutil.rmtree(aside, ignore_errors=True)
+            directory.rename(aside)
+            print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
+        else:
+            source = directory / tag
+    elif resume_from is not None:
+        tag = folder.latest_tag(resume_from)
+        if tag is None:
+            raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
+        saved, source = folder.read_state(resume_from, tag), resume_from / tag
+    if source is not None:
+        folder.check_same_model(saved, source.parent, state["identity"])
+    directory.mkdir(parents=True, exist_ok=True)
+    here = (state["world_size"], state["zero_stage"])
+    if source is None or folder.layout(saved) == here:
+        print(f"train: resuming from {source}" if source else "train: starting from step 0")
+        return None
+    written = f"written by {saved['world_size']} rank(s) under ZeRO-{saved['zero_stage']}"
+    wanted = f"{here[0]} rank(s) under ZeRO-{here[1]}"
+    if not convert:
+        raise ValueError(
+            f"train.convert_layout: {source} was {written}, this run has {wanted}; expected "
+            "train.convert_layout=true to convert it, or the checkpoint's layout"
+        )
+    if 0 in (saved["zero_stage"], here[1]):
+        raise ValueError(
+            f"deepspeed.stage: {source} was {written}, this run has {wanted}; ZeRO-0 keeps no partitioned "
+            "optimizer state to convert: expected ZeRO 1-3 on both sides, or the checkpoint's layout"
+        )
+    start = time.perf_counter()
+    out, manifest = ensure_universal(source)
+    if manifest is None:
+        print(f"train: {source} was {written}; resuming with {wanted} from its universal form {out}")
+    else:
+        print(
+            f"train: {source} was {written}; converted it to DeepSpeed's universal layout "
+            f"({len(manifest['parameters'])} parameters with their Adam moments, step {manifest['step']}, "
+            f"{time.perf_counter() - start:.1f} s) in {out} to resume with {wanted}"
+        )
+    return out
+
+
+def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
+    command = [
+        "deepspeed", "--num_gpus", str(launcher.ranks_per_node), "--num_nodes", str(launcher.num_nodes),
+        "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port or free_port()),
+    ]  # fmt: skip
+    if launcher.num_nodes > 1:
+        command += ["--hostfile", str(launcher.hostfile), "--no_ssh", "--node_rank", str(launcher.node_rank)]
+    return command + ["--module", "stages._train_rank", *worker_args]
+
+
+def launch(args: argparse.Namespace, cfg: config.Config, accelerator: str, universal: Path | None) -> None:
+    """Start this node's ranks and wait for them."""
     worker_args = ["--params", args.params]
-    forwarded = (
-        "base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state", "loaded_state",
-    )  # fmt: skip
-    for name in forwarded:
+    for name in FORWARDED:
         if getattr(args, name) is not None:
             worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if resume_from is not None:
-        worker_args += ["--resume-from", str(resume_from)]
-    if universal is not None:
-        worker_args += ["--resume-universal", str(universal)]
-    env = {**os.environ, "DS_ACCELERATOR": accelerator}
+    for flag, value in (("--resume-from", cfg.train.resume_from), ("--resume-universal", universal)):
+        if value is not None:
+            worker_args += [flag, str(value)]
+    if args.loaded_state is not None:
+        worker_args += ["--loaded-state", str(args.loaded_state)]
+    env = {**with_venv_path(), "DS_ACCELERATOR": accelerator}
     if accelerator == "cpu":  # one thread per core and rank: the default (all cores per rank) oversubscribes
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // launcher.ranks_per_node)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launcher.ranks_per_node)))
         # A fixed mmap threshold: glibc otherwise raises it as tensors are freed, keeps activation-sized blocks in
         # its heap and never returns them (bench.train: peak RSS per rank 3.93 GB -> 3.05 GB).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    done = subprocess.run(launch_command(launcher, worker_args), env=env)
+    done = subprocess.run(launch_command(cfg.launcher, worker_args), env=env)
     if done.returncode != 0:
         print(
             f"error: train: the DeepSpeed ranks failed (exit {done.returncode}); see their output above",
             file=sys.stderr,
         )
         sys.exit(1)
-    if launcher.node_rank == 0:  # global rank 0, which writes the metrics, runs on node 0
-        return json.loads(args.metrics.read_text(encoding="utf-8"))
-    return {}
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+    t, ds, launcher = cfg.train, cfg.deepspeed, cfg.launcher
+    accelerator = dsc.accelerator_name(launcher.accelerator)
+    dsc.check_precision(t.precision, accelerator)
+    world = launcher.ranks_per_node * launcher.num_nodes
+    ds_config = dsc.build(
+        zero=dsc.ZeroSettings(**ds.model_dump()),
+        precision=t.precision,
+        micro=t.micro_batch_size,
+        accumulation=t.gradient_accumulation_steps,
+        world_size=world,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        global_batch=t.global_batch_size,
+    )
+    state = run_state(args, cfg, world)
+    if (saved := finished(args.checkpoints, state)) and args.final_state is None and args.loaded_state is None:
+        tag = folder.tag_for(saved["step"])
+        print(f"train: {args.checkpoints / tag} is this run's final checkpoint; its figures are reported")
+        metrics = {**saved["metrics"], "reused_checkpoint": tag}
+        write_json(args.metrics, metrics)
+        write_curve(args.curve, saved["history"])
+        return metrics
+    resume_from = Path(t.resume_from) if t.resume_from else None
+    universal = prepare_checkpoints(
+        directory=args.checkpoints, state=state, resume_from=resume_from, convert=t.convert_layout
+    )
+    tokenizer = load_tokenizer(args.tokenizer)  # the ranks only need its pad id: they skip loading it
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    write_json(args.checkpoints / "run.json", {**state, "pad_token_id": pad or 0})
+    write_json(args.checkpoints / "ds_config.json", ds_config)
+    launch(args, cfg, accelerator, universal)
+    return read_json(args.metrics) if launcher.node_rank == 0 else {}  # global rank 0 runs on node 0
 
 
 if __name__ == "__main__":

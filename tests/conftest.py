@@ -62,7 +62,7 @@ class TinyPipeline(NamedTuple):
 def tiny_pipeline(tmp_path_factory, tiny_base_dir) -> TinyPipeline:
     """The repro check at tiny size (the `tiny` experiment on the tiny LLaMA): the whole pipeline run twice from
     scratch by real DVC, MLflow and DeepSpeed; the tracking and sweep tests go on from its copies."""
-    from stages.repro_check import check
+    from tools.repro_check import check
 
     workdir = tmp_path_factory.mktemp("repro_check")
     overrides = ["experiment=tiny", f"model.path={tiny_base_dir}"]
@@ -77,11 +77,20 @@ def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     from pipeline.tokenizer import META, load_tokenizer, round_up, write_extended
 
     root = tmp_path_factory.mktemp("train_inputs")
-    write_extended(tiny_base_dir, root / "tokenizer", peoples_daily[:300], 600, "bpe", 0.9995)
+    write_extended(
+        tiny_base_dir,
+        root / "tokenizer",
+        peoples_daily[:300],
+        vocab_size=600,
+        model_type="bpe",
+        character_coverage=0.9995,
+    )
     tokenizer = load_tokenizer(root / "tokenizer")
     meta = {"vocab_size": len(tokenizer), "padded_vocab_size": round_up(len(tokenizer), 64)}
     (root / "tokenizer" / META).write_text(json.dumps(meta))
-    tables, _ = build_pretraining(tokenizer, peoples_daily[:120], 64, "drop", 0.1, seed=0)
+    tables, _ = build_pretraining(
+        tokenizer, peoples_daily[:120], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
     save_splits(root / "dataset", tables)
     return root
 

@@ -77,7 +77,9 @@ def test_stage_reports_bad_params_without_traceback(tmp_path):
             str(params),
             "--metrics",
             str(tmp_path / "corpus.json"),
-        ],  # fmt: skip
+            "--run-id-file",
+            str(tmp_path / "run.json"),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

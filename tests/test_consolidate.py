@@ -4,8 +4,6 @@ tensor by tensor against the live engines, and every bad input."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,8 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.consolidate import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, consolidate
-from pipeline.ds_config import free_port
+from pipeline.atomic import read_json
+from pipeline.checkpoints.adapter import CONFIG as ADAPTER_CONFIG
+from pipeline.checkpoints.adapter import WEIGHTS as ADAPTER_WEIGHTS
+from pipeline.checkpoints.consolidate import MANIFEST, consolidate
+from pipeline.processes import free_port, with_venv_path
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -43,10 +44,7 @@ def _launch(base: Path, out: Path, ranks: int) -> None:
         "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "tests.zero_worker",
         "--base", str(base), "--out", str(out), "--vocab-rows", str(VOCAB_ROWS), "--configs", *CONFIGS,
     ]  # fmt: skip
-    env = {
-        **os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-    }  # fmt: skip
+    env = {**with_venv_path(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -74,7 +72,7 @@ def test_consolidated_adapter_equals_the_live_engine(
     checkpoints, tiny_base_dir, untied_base_dir, tmp_path, stage, precision, ranks
 ):
     source = checkpoints / f"zero{stage}_{precision}_ranks{ranks}"
-    manifest = consolidate(source, tmp_path / "adapter", None, None)
+    manifest = consolidate(checkpoint_dir=source, output_dir=tmp_path / "adapter")
     assert manifest["source"] | {"checkpoint": None} == {
         "tag": "step_000002", "zero_stage": stage, "world_size": ranks, "ds_version": manifest["source"]["ds_version"],
         "step": 2, "checkpoint": None, "deepspeed_here": manifest["source"]["deepspeed_here"],
@@ -94,14 +92,14 @@ def test_consolidated_adapter_equals_the_live_engine(
     assert (embed.data_ptr() == lm_head.data_ptr()) == (ranks == 2), "tied exactly when the base is tied"
     written = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
     assert set(written) == set(manifest["tensors"])
-    from pipeline.safetensors_stream import raw_bytes
+    from pipeline.checkpoints.safetensors_stream import raw_bytes
 
     assert all(hashlib.sha256(raw_bytes(t)).hexdigest() == manifest["tensors"][k]["sha256"] for k, t in written.items())
 
 
 def test_dtype_option_casts_the_masters(checkpoints, tmp_path):
     source = checkpoints / "zero3_fp32_ranks2"
-    consolidate(source, tmp_path / "bf16", None, None, "bf16")
+    consolidate(checkpoint_dir=source, output_dir=tmp_path / "bf16", dtype="bf16")
     written, live = load_file(tmp_path / "bf16" / ADAPTER_WEIGHTS), load_file(source / "final.safetensors")
     assert {t.dtype for t in written.values()} == {torch.bfloat16}
     key = next(k for k in live if "lora_B" in k)
@@ -156,7 +154,7 @@ def test_bad_checkpoint_is_refused_and_nothing_written(checkpoints, tmp_path, da
     root, tag = _copy(checkpoints, "zero2_fp32_ranks2", tmp_path)
     message = damage(tag)
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        consolidate(root, tmp_path / "adapter", None, None)
+        consolidate(checkpoint_dir=root, output_dir=tmp_path / "adapter")
     assert message in str(err.value)
     assert not (tmp_path / "adapter").exists()
 
@@ -169,4 +167,4 @@ def test_cli_unknown_tag_exits_2_and_writes_nothing(checkpoints, tmp_path):
     assert "Traceback" not in done.stderr and not out.exists()
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert json.loads((out / MANIFEST).read_text())["source"]["zero_stage"] == 1
+    assert read_json(out / MANIFEST)["source"]["zero_stage"] == 1

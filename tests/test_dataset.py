@@ -35,7 +35,7 @@ def test_packing_loses_and_duplicates_no_token(smol, peoples_daily, tail):
     expected = [t for doc in documents for t in smol(doc, add_special_tokens=False).input_ids + [smol.eos_token_id]]
     assert stream.tolist() == expected
 
-    inputs, labels = pack_blocks(stream, 128, tail, pad_id=smol.pad_token_id)
+    inputs, labels = pack_blocks(stream, block_size=128, tail=tail, pad_id=smol.pad_token_id)
     kept = labels[labels != IGNORE_INDEX]
     if tail == "drop":
         assert inputs.shape == (len(stream) // 128, 128)
@@ -59,7 +59,9 @@ def test_split_is_seeded_disjoint_and_complete():
 
 
 def test_pretraining_tables_hold_every_block(smol, peoples_daily):
-    tables, stats = build_pretraining(smol, peoples_daily[:300], 64, "drop", 0.1, seed=0)
+    tables, stats = build_pretraining(
+        smol, peoples_daily[:300], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
     assert stats["train_rows"] + stats["validation_rows"] == stats["tokens"] // 64
     assert tables["train"].num_rows == stats["train_rows"]
     assert stats["tokens_dropped"] == stats["tokens"] % 64
@@ -68,7 +70,7 @@ def test_pretraining_tables_hold_every_block(smol, peoples_daily):
 
 def test_too_little_text_for_one_block(smol):
     with pytest.raises(ValueError, match="data.block_size: .* make no block of 4096"):
-        build_pretraining(smol, ["short text"], 4096, "drop", 0.0, seed=0)
+        build_pretraining(smol, ["short text"], block_size=4096, tail="drop", validation_fraction=0.0, seed=0)
 
 
 ROWS = [
@@ -86,7 +88,7 @@ def _prompt(tokenizer, ids, labels) -> list[int]:
 
 
 def test_alpaca_labels_mask_exactly_the_prompt(smol):
-    inputs, labels, stats = build_sft(smol, ROWS, "alpaca", max_seq_len=512)
+    inputs, labels, stats = build_sft(smol, ROWS, template="alpaca", max_seq_len=512)
     assert stats == {"examples": 2, "truncated_examples": 0, "dropped_examples": 0}
     for row, ids, lab in zip(ROWS, inputs, labels, strict=True):
         assert _trained(smol, ids, lab) == row["output"] + smol.eos_token
@@ -97,7 +99,7 @@ def test_alpaca_labels_mask_exactly_the_prompt(smol):
 
 
 def test_custom_template_and_truncation(smol):
-    inputs, labels, stats = build_sft(smol, ROWS, "Q: {instruction} {input}\nA: ", max_seq_len=8)
+    inputs, labels, stats = build_sft(smol, ROWS, template="Q: {instruction} {input}\nA: ", max_seq_len=8)
     assert all(len(ids) <= 8 for ids in inputs)
     assert stats["truncated_examples"] >= 1
     assert stats["examples"] == len(inputs) + stats["dropped_examples"]
@@ -112,7 +114,7 @@ def test_chat_masks_everything_but_assistant_turns(smol):
             {"role": "assistant", "content": "Why did the chicken cross the road?"},
         ]
     }
-    inputs, labels, _ = build_sft(smol, [conversation], "chat", max_seq_len=1024)
+    inputs, labels, _ = build_sft(smol, [conversation], template="chat", max_seq_len=1024)
     trained = _trained(smol, inputs[0], labels[0])
     assert trained == "Hi, how can I help?<|im_end|>\nWhy did the chicken cross the road?<|im_end|>\n"
     full = smol.apply_chat_template(conversation["messages"], tokenize=False)
@@ -121,7 +123,9 @@ def test_chat_masks_everything_but_assistant_turns(smol):
 
 
 def test_instruction_tables_and_masked_fraction(smol):
-    tables, stats = build_instruction(smol, ROWS * 10, "chat", 256, 0.1, seed=0)
+    tables, stats = build_instruction(
+        smol, ROWS * 10, template="chat", max_seq_len=256, validation_fraction=0.1, seed=0
+    )
     assert (stats["train_rows"], stats["validation_rows"]) == (18, 2)
     assert 0.5 < stats["masked_fraction"] < 1.0
     assert tables["validation"].column_names == ["input_ids", "labels"]
@@ -131,7 +135,9 @@ def test_saved_dataset_is_byte_identical_across_runs(smol, peoples_daily, tmp_pa
     from datasets import load_from_disk
 
     for name in ("a", "b"):
-        tables, _ = build_pretraining(smol, peoples_daily[:100], 32, "pad", 0.2, seed=1)
+        tables, _ = build_pretraining(
+            smol, peoples_daily[:100], block_size=32, tail="pad", validation_fraction=0.2, seed=1
+        )
         save_splits(tmp_path / name, tables)
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert files

@@ -4,7 +4,6 @@ computation, the stage writes the table for base / adapter / merged, lm-evaluati
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import yaml
 
 from pipeline import config
+from pipeline.atomic import read_json
 from pipeline.evaluate import Example, Score, check_vocabulary, load_examples, score, windows
 from pipeline.tokenizer import load_tokenizer
 from tests.conftest import REPO
@@ -46,7 +46,7 @@ def test_score_with_one_window_equals_a_plain_forward(tiny_model):
     with torch.inference_mode():
         logits = tiny_model(input_ids=ids).logits[0, :-1]
     expected = float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-    got = score(tiny_model, [Example(ids[0].tolist(), [False] + [True] * 29, 40)], 64, 64, 2)
+    got = score(tiny_model, [Example(ids[0].tolist(), [False] + [True] * 29, 40)], context=64, stride=64, batch_size=2)
     assert got.tokens == 29 and math.isclose(got.nll, expected, rel_tol=1e-5)
     assert math.isclose(got.as_dict()["bits_per_byte"], expected / (math.log(2) * 40), rel_tol=1e-5)
     assert math.isclose(Score(2.0, 4, 8).as_dict()["perplexity"], math.exp(0.5))
@@ -54,8 +54,8 @@ def test_score_with_one_window_equals_a_plain_forward(tiny_model):
 
 def test_batching_does_not_change_the_score(tiny_model):
     examples = [Example(list(range(5, 5 + n)), [False] + [True] * (n - 1), n) for n in (7, 40, 23)]
-    one = score(tiny_model, examples, 16, 16, 1)
-    batched = score(tiny_model, examples, 16, 16, 3)
+    one = score(tiny_model, examples, context=16, stride=16, batch_size=1)
+    batched = score(tiny_model, examples, context=16, stride=16, batch_size=3)
     assert one.tokens == batched.tokens == 67 and math.isclose(one.nll, batched.nll, rel_tol=1e-5)
 
 
@@ -63,10 +63,14 @@ def test_bad_eval_input(tmp_path, smol_tokenizer_dir, tiny_model):
     tokenizer = load_tokenizer(smol_tokenizer_dir)
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(ValueError, match="empty.txt"):
-        load_examples(tokenizer, tmp_path / "empty.txt", "alpaca", None, 64, "eval.sets.x")
+        load_examples(
+            tokenizer, tmp_path / "empty.txt", template="alpaca", max_bytes=None, context=64, key="eval.sets.x"
+        )
     (tmp_path / "short.txt").write_text("A few words.\n")
     with pytest.raises(ValueError, match=r"eval.sets.x: .*short.txt gives \d+ tokens .* shorter than one window"):
-        load_examples(tokenizer, tmp_path / "short.txt", "alpaca", None, 64, "eval.sets.x")
+        load_examples(
+            tokenizer, tmp_path / "short.txt", template="alpaca", max_bytes=None, context=64, key="eval.sets.x"
+        )
     tiny_model.resize_token_embeddings(1000)
     try:
         with pytest.raises(ValueError, match="the tokenizer has 49152 tokens but the model only 1000 embedding rows"):
@@ -95,7 +99,7 @@ def trained(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     peft.save_pretrained(str(root / "adapter"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_base_dir / name, root / "adapter" / name)
-    merge(tiny_base_dir, root / "adapter", root / "merged")
+    merge(base_dir=tiny_base_dir, adapter_dir=root / "adapter", out_dir=root / "merged")
     (root / "in_domain.txt").write_text("\n".join(peoples_daily[:40]) + "\n", encoding="utf-8")
     return root
 
@@ -106,9 +110,15 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
     raw["eval"]["max_new_tokens"] = 4
     (out / "params.yaml").write_text(yaml.safe_dump(raw))
     args = argparse.Namespace(
-        base=base, base_tokenizer=base, adapter=root / "adapter", merged=root / "merged", metrics=out / "eval.json",
-        plot=out / "plot.csv", samples=out / "samples.md", run_id_file=out / "run.json",
-    )  # fmt: skip
+        base=base,
+        base_tokenizer=base,
+        adapter=root / "adapter",
+        merged=root / "merged",
+        metrics=out / "eval.json",
+        plot=out / "plot.csv",
+        samples=out / "samples.md",
+        run_id_file=out / "run.json",
+    )
     return args, config.load(out / "params.yaml")
 
 
@@ -118,7 +128,7 @@ def test_stage_table_for_base_adapter_and_merged(trained, tiny_base_dir, tmp_pat
 
     sets = {"in_domain": str(trained / "in_domain.txt")}
     stage.main(*_stage_args(trained, tiny_base_dir, sets, tmp_path))
-    table = json.loads((tmp_path / "eval.json").read_text())
+    table = read_json(tmp_path / "eval.json")
     assert set(table) == {"in_domain"} and set(table["in_domain"]) == {"base", "adapter", "merged"}
     base, adapter, merged = (table["in_domain"][m] for m in ("base", "adapter", "merged"))
     assert base["bytes"] == adapter["bytes"] == merged["bytes"] <= 3000 and base["tokens"] > 64
@@ -155,6 +165,6 @@ def test_bits_per_byte_match_lm_evaluation_harness(trained, tmp_path, peoples_da
     (tmp_path / "docs.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
     model = AutoModelForCausalLM.from_pretrained(trained / "merged", dtype=torch.float32).eval()
     examples = text_examples(load_tokenizer(trained / "merged"), tmp_path / "docs.txt", None)
-    ours = score(model, examples, 64, 64, 4).as_dict()["bits_per_byte"]
-    theirs = bits_per_byte(trained / "merged", documents, 64, tmp_path / "harness")
+    ours = score(model, examples, context=64, stride=64, batch_size=4).as_dict()["bits_per_byte"]
+    theirs = bits_per_byte(trained / "merged", documents, context=64, workdir=tmp_path / "harness")
     assert ours == pytest.approx(theirs, rel=0.01), (ours, theirs)

@@ -4,7 +4,6 @@ DeepSpeed's ds_to_universal.py; bad input and interrupted conversions leave the 
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -14,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.convert import MANIFEST, is_universal, to_universal, universal_path
-from pipeline.zero_checkpoint import optimizer_state
+from pipeline.atomic import read_json
+from pipeline.checkpoints.universal import MANIFEST, is_universal, to_universal, universal_path
+from pipeline.checkpoints.zero_shards import optimizer_state
 from tests.conftest import REPO
 from tests.training import ONE_RANK, TINY, TWO_RANKS, env, losses, train
 
@@ -66,7 +66,7 @@ def test_resume_under_another_layout_continues_the_run(
             key = name if kind == "fp32" else f"{name}#{kind}"
             torch.testing.assert_close(loaded[key], kinds[kind][1](), rtol=0, atol=0, msg=key)
 
-    resumed = json.loads((tmp_path / "metrics.json").read_text())
+    resumed = read_json(tmp_path / "metrics.json")
     assert resumed["resumed_from_step"] == 3 and resumed["steps"] == 6
     whole = [line.split(",") for line in (two_ranks_zero2 / "curve.csv").read_text().splitlines()[1:]]
     again = [line.split(",") for line in (tmp_path / "curve.csv").read_text().splitlines()[1:]]
@@ -75,7 +75,7 @@ def test_resume_under_another_layout_continues_the_run(
     expected, final = load_file(two_ranks_zero2 / "final.safetensors"), load_file(tmp_path / "final.safetensors")
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
-    state = json.loads((checkpoints / "step_000006" / "trainer_state.json").read_text())
+    state = read_json(checkpoints / "step_000006" / "trainer_state.json")
     ranks = 1 if "launcher.ranks_per_node=1" in layout else 2
     assert (state["world_size"], state["zero_stage"]) == (ranks, 3 if "deepspeed=zero3" in layout else 2)
 
@@ -91,7 +91,7 @@ def test_converter_equals_deepspeeds_ds_to_universal(tmp_path, stopped):
     cli = [sys.executable, "-m", "pipeline", "convert", str(stopped), str(tmp_path / "ours"), "--to", "universal"]
     done = subprocess.run([*cli, "--workers", "2"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    manifest = json.loads((tmp_path / "ours" / MANIFEST).read_text())
+    manifest = read_json(tmp_path / "ours" / MANIFEST)
     assert manifest["step"] == 3 and manifest["source"]["world_size"] == 2
     for name in manifest["parameters"]:
         for kind in KINDS:
@@ -150,14 +150,14 @@ def test_offline_conversion_to_zero3_resumes_as_its_own(tmp_path, inputs, tiny_b
     ]  # fmt: skip
     done = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, env=env())
     assert done.returncode == 0, done.stderr[-3000:]
-    state = json.loads((zero3 / "step_000003" / "trainer_state.json").read_text())
+    state = read_json(zero3 / "step_000003" / "trainer_state.json")
     assert (zero3 / "latest").read_text() == "step_000003" and (state["world_size"], state["zero_stage"]) == (2, 3)
     assert len(list((zero3 / "step_000003").glob("*_optim_states.pt"))) == 2
 
     run = tmp_path / "run"
     resumed = train(inputs, tiny_base_dir, run, [*TINY, *TWO_RANKS, "deepspeed=zero3", f"train.resume_from={zero3}"])
     assert f"resuming from {zero3 / 'step_000003'}" in resumed.stdout and "converted" not in resumed.stdout
-    assert json.loads((run / "metrics.json").read_text())["resumed_from_step"] == 3
+    assert read_json(run / "metrics.json")["resumed_from_step"] == 3
     torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(two_ranks_zero2)), atol=1e-5, rtol=0)
     expected, final = load_file(two_ranks_zero2 / "final.safetensors"), load_file(run / "final.safetensors")
     for name in expected:

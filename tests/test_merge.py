@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pipeline.atomic import read_json
 from pipeline.merge import INDEX, REPORT, merge
 from tests.conftest import REPO
 
@@ -77,17 +78,13 @@ def _assert_merged_equals_peft(base: Path, adapter: Path, merged: Path) -> None:
     for path in merged.glob("*.safetensors"):
         weights.update(load_file(path))
     assert not [k for k in weights if "lora_" in k or "modules_to_save" in k or "base_model" in k]
-    assert (
-        json.loads((merged / "config.json").read_text())["vocab_size"]
-        == ROWS
-        == weights["model.embed_tokens.weight"].shape[0]
-    )
+    assert read_json(merged / "config.json")["vocab_size"] == ROWS == weights["model.embed_tokens.weight"].shape[0]
 
 
 def test_untied_all_linear_with_resized_modules_to_save(tmp_path, tiny_base_dir):
     base = _base(tmp_path, tiny_base_dir, tied=False)
     adapter = _adapter(tmp_path, base, ["embed_tokens", "lm_head"])
-    report = merge(base, adapter, tmp_path / "merged")
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
     _assert_merged_equals_peft(base, adapter, tmp_path / "merged")
     assert report["lora_layers"] == 14 and report["tied"] is False and report["vocab_rows"] == ROWS
     assert report["verification"]["max_abs_logit_diff"] < 1e-3 and report["verification"]["mean_kl"] < 1e-6
@@ -97,16 +94,16 @@ def test_untied_all_linear_with_resized_modules_to_save(tmp_path, tiny_base_dir)
 def test_tied_embeddings_with_rslora_stay_tied(tmp_path, tiny_base_dir):
     base = _base(tmp_path, tiny_base_dir, tied=True)
     adapter = _adapter(tmp_path, base, ["embed_tokens", "lm_head"], use_rslora=True, ensure_weight_tying=True)
-    report = merge(base, adapter, tmp_path / "merged")
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
     _assert_merged_equals_peft(base, adapter, tmp_path / "merged")
     assert report["tied"] is True and report["notes"] == []
-    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert read_json(tmp_path / "merged" / "config.json")["tie_word_embeddings"] is True
 
 
 def test_tied_base_is_untied_when_only_the_input_side_changed(tmp_path, tiny_base_dir):
     base = _base(tmp_path, tiny_base_dir, tied=True)
     adapter = _adapter(tmp_path, base, None, rows=49152)
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    config = read_json(adapter / "adapter_config.json")
     tensors = load_file(adapter / "adapter_model.safetensors")
     embed = load_file(base / "model.safetensors")["model.embed_tokens.weight"]
     tensors["base_model.model.model.embed_tokens.weight"] = embed + 0.1  # a modules_to_save of embed_tokens only
@@ -119,7 +116,7 @@ def test_tied_base_is_untied_when_only_the_input_side_changed(tmp_path, tiny_bas
     ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))(ids).logits
-    report = merge(base, adapter, tmp_path / "merged")
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
     with torch.inference_mode():
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
@@ -133,9 +130,9 @@ def test_rank_and_alpha_patterns_on_a_sharded_base(tmp_path, tiny_base_dir):
         tmp_path, base, ["embed_tokens", "lm_head"], rank_pattern={"q_proj": 8, "layers.1.mlp.down_proj": 2},
         alpha_pattern={"v_proj": 3.0},
     )  # fmt: skip
-    report = merge(base, adapter, tmp_path / "merged", max_shard_size="2MB")
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged", max_shard_size="2MB")
     _assert_merged_equals_peft(base, adapter, tmp_path / "merged")
-    index = json.loads((tmp_path / "merged" / INDEX).read_text())
+    index = read_json(tmp_path / "merged" / INDEX)
     assert report["shards"] > 1 and len(set(index["weight_map"].values())) == report["shards"]
 
 
@@ -190,13 +187,13 @@ def test_bad_input_is_refused_and_nothing_written(fitted, tmp_path, damage):
     base, adapter = fitted
     message = damage(adapter)
     with pytest.raises((ValueError, FileNotFoundError)) as err:
-        merge(base, adapter, tmp_path / "merged")
+        merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
     assert message in str(err.value)
     assert not (tmp_path / "merged").exists()
 
 
 def _wrong_alpha(adapter: Path) -> None:
-    config = json.loads((adapter / "adapter_config.json").read_text())
+    config = read_json(adapter / "adapter_config.json")
     (adapter / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 9}))  # scale 9/4, not 8/4
 
 
@@ -210,14 +207,14 @@ def _missed_layer(adapter: Path) -> None:
 
 @pytest.mark.parametrize("mistake", [_wrong_alpha, _missed_layer])
 def test_default_tolerances_catch_a_wrong_scale_or_a_missed_layer(fitted, tmp_path, mistake):
-    from pipeline.merge import TOLERANCES, logits_gap
+    from pipeline.merge_verify import TOLERANCES, logits_gap
 
     base, adapter = fitted
     wrong = tmp_path / "wrong"
     shutil.copytree(adapter, wrong)
     mistake(wrong)
-    merge(base, wrong, tmp_path / "merged", verify=False)
-    gap = logits_gap(base, adapter, tmp_path / "merged", ROWS)
+    merge(base_dir=base, adapter_dir=wrong, out_dir=tmp_path / "merged", verify=False)
+    gap = logits_gap(base_dir=base, adapter_dir=adapter, merged_dir=tmp_path / "merged", rows=ROWS)
     limit_abs, limit_kl = TOLERANCES["fp32"]
     assert gap["max_abs_logit_diff"] > limit_abs and gap["mean_kl"] > limit_kl, gap
 
@@ -232,6 +229,6 @@ def test_cli_missing_adapter_exits_2(fitted, tmp_path):
 
 def test_bf16_output_passes_its_own_tolerance(fitted, tmp_path):
     base, adapter = fitted
-    report = merge(base, adapter, tmp_path / "merged", dtype="bf16")
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged", dtype="bf16")
     assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.bfloat16}
     assert 0 < report["verification"]["max_abs_logit_diff"] <= report["verification"]["limit_abs"]

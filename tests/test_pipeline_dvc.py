@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.repro_check import GIT, copy_project, sh
+from tools.repro_check import GIT, copy_project, sh
 
 pytestmark = pytest.mark.integration
 EXP_RUN = ["dvc", "exp", "run", "cache_dataset", "-S", "experiment=ci_tiny"]

@@ -13,8 +13,9 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
+from pipeline.atomic import read_json
 from pipeline.tracking import flatten
-from stages.repro_check import compare
+from tools.repro_check import compare
 
 pytestmark = pytest.mark.integration
 PREFIXES = ("base.", "corpus.", "tokenizer.", "dataset.", "train.", "consolidate.", "merge.", "eval.", "seconds.")
@@ -37,9 +38,9 @@ def test_a_difference_is_reported(tiny_pipeline, tmp_path: Path):
     lock = yaml.safe_load((second / "dvc.lock").read_text())
     lock["stages"]["merge"]["outs"][0]["md5"] = "0" * 32
     (second / "dvc.lock").write_text(yaml.safe_dump(lock))
-    train = json.loads((second / "metrics/train.json").read_text())
+    train = read_json(second / "metrics/train.json")
     (second / "metrics/train.json").write_text(json.dumps({**train, "tokens_per_s": 1.0}))  # a measurement: ignored
-    evaluation = json.loads((second / "metrics/eval.json").read_text())
+    evaluation = read_json(second / "metrics/eval.json")
     evaluation["in_domain"]["adapter"]["bits_per_byte"] += 1e-6
     (second / "metrics/eval.json").write_text(json.dumps(evaluation))
     _, differences = compare(first, second)
@@ -51,7 +52,7 @@ def test_each_execution_is_one_complete_mlflow_run(tiny_pipeline):
     root = tiny_pipeline.roots[0]
     client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("llm-lora").experiment_id])
-    assert run.info.run_id == json.loads((root / "logs/mlflow_run.json").read_text())["run_id"]
+    assert run.info.run_id == read_json(root / "logs/mlflow_run.json")["run_id"]
     assert run.info.status == "FINISHED"
     params = yaml.safe_load((root / "params.yaml").read_text())
     assert run.data.params == flatten(params), "the flat resolved config"
@@ -68,9 +69,9 @@ def test_each_execution_is_one_complete_mlflow_run(tiny_pipeline):
 
     metrics = run.data.metrics
     assert all(any(k.startswith(p) for k in metrics) for p in PREFIXES), sorted(metrics)
-    evaluation = json.loads((root / "metrics/eval.json").read_text())
+    evaluation = read_json(root / "metrics/eval.json")
     assert metrics["eval.in_domain.adapter.bits_per_byte"] == evaluation["in_domain"]["adapter"]["bits_per_byte"]
-    tokenizer = json.loads((root / "metrics/tokenizer.json").read_text())
+    tokenizer = read_json(root / "metrics/tokenizer.json")
     assert metrics["tokenizer.heldout_tokens_per_char_after"] == tokenizer["heldout_tokens_per_char_after"]
     curve = [float(line.split(",")[1]) for line in (root / "metrics/train_curve.csv").read_text().splitlines()[1:]]
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))

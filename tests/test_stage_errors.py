@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline import config
+from pipeline.atomic import read_json
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -93,5 +94,5 @@ def test_prepare_base_names_a_missing_model_and_marks_the_run_failed(tmp_path):
     _assert_clean_failure(done, "model.path:", out)
     from mlflow import MlflowClient
 
-    run = MlflowClient(store).get_run(json.loads((tmp_path / "run.json").read_text())["run_id"])
+    run = MlflowClient(store).get_run(read_json(tmp_path / "run.json")["run_id"])
     assert run.info.status == "FAILED" and run.data.tags["stage.prepare_base"] == "ran"

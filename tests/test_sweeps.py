@@ -1,5 +1,5 @@
 """Sweeps and the MLflow UI on the tiny pipeline (a copy of the project that already ran `dvc repro`, from the
-session's repro check): a Hydra multirun sweep and an Optuna sweep through `python -m stages.sweep`, a DVC queue
+session's repro check): a Hydra multirun sweep and an Optuna sweep through `python -m tools.sweep`, a DVC queue
 sweep, the UI server's REST API and the compare-runs view in headless Chromium, and an unreachable tracking server."""
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from pipeline.ds_config import free_port
-from stages.repro_check import sh
+from pipeline.atomic import read_json
+from pipeline.processes import free_port
 from tests.conftest import REPO
+from tools.repro_check import sh
 
 pytestmark = pytest.mark.integration
 OBJECTIVE = "eval.in_domain.adapter.bits_per_byte"
@@ -39,7 +40,7 @@ def runs(project: Path, filter_string: str = "") -> list:
 
 
 def sweep(project: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return sh([sys.executable, "-m", "stages.sweep", "-m", *overrides], project)
+    return sh([sys.executable, "-m", "tools.sweep", "-m", *overrides], project)
 
 
 def test_hydra_multirun_sweep_is_one_parent_run_with_a_child_run_per_combination(project, tiny_pipeline):
@@ -72,7 +73,7 @@ def test_optuna_sweeper_returns_bits_per_byte(project, tiny_pipeline):
         project, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=1", *tiny_pipeline.overrides,
         f"lora.r=choice({r})", f"train.lr=choice({lr})",
     )  # fmt: skip
-    value = json.loads((project / "metrics/eval.json").read_text())["in_domain"]["adapter"]["bits_per_byte"]
+    value = read_json(project / "metrics/eval.json")["in_domain"]["adapter"]["bits_per_byte"]
     assert f"Best value: {value}" in done.stdout + done.stderr
     (parent,) = runs(project, "attributes.run_name LIKE 'sweep %' and attributes.status = 'FINISHED'")[:1]
     (child,) = runs(project, f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
@@ -82,7 +83,7 @@ def test_optuna_sweeper_returns_bits_per_byte(project, tiny_pipeline):
 def test_sweep_values_of_the_wrong_type_stop_before_any_job(project, tiny_pipeline):
     before = len(runs(project))
     done = subprocess.run(
-        [sys.executable, "-m", "stages.sweep", "-m", *tiny_pipeline.overrides, "lora.r=2,two", "train.lr=fast"],
+        [sys.executable, "-m", "tools.sweep", "-m", *tiny_pipeline.overrides, "lora.r=2,two", "train.lr=fast"],
         cwd=project, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
@@ -211,7 +212,7 @@ def test_unreachable_tracking_server_warns_once_and_the_run_is_logged_later(proj
     assert len(warnings) == 2, done.stderr  # the first stage's failure, then the track stage's closing note
     assert warnings[0].startswith("tracking: cannot open a run on http://127.0.0.1:9")
     assert "is not in MLflow" in warnings[1] and "dvc repro -f track" in warnings[1]
-    assert json.loads((project / "logs/mlflow_run.json").read_text())["missing"]
+    assert read_json(project / "logs/mlflow_run.json")["missing"]
 
     later = project / "later.db"
     sh(["dvc", "exp", "run", *overrides, "-S", f"tracking.uri=sqlite:///{later}"], project)
@@ -233,7 +234,7 @@ def test_a_tracking_server_receives_the_run_and_registers_the_merged_model(proje
     server = ["-S", f"tracking.uri={ui}", "-S", "tracking.register_model=tiny-lora"]
     sh(["dvc", "exp", "run", *overrides, *server], project)
     client = MlflowClient(ui)
-    run = client.get_run(json.loads((project / "logs/mlflow_run.json").read_text())["run_id"])
+    run = client.get_run(read_json(project / "logs/mlflow_run.json")["run_id"])
     assert run.data.tags["stage.track"] == "ran" and OBJECTIVE in run.data.metrics
     (version,) = client.search_model_versions("name = 'tiny-lora'")
     assert version.run_id == run.info.run_id and version.source.endswith("/merged")

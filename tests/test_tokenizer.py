@@ -51,12 +51,26 @@ def test_extension_keeps_ids_and_shortens_chinese(request, tmp_path, corpus, bas
 
 def test_unigram_cannot_extend_byte_level_bpe(smol_tokenizer_dir, tmp_path, corpus):
     with pytest.raises(ValueError, match="tokenizer.model_type: a byte-level BPE base can only be extended"):
-        write_extended(smol_tokenizer_dir, tmp_path / "out", corpus[0][:200], 1000, "unigram", 0.9995)
+        write_extended(
+            smol_tokenizer_dir,
+            tmp_path / "out",
+            corpus[0][:200],
+            vocab_size=1000,
+            model_type="unigram",
+            character_coverage=0.9995,
+        )
 
 
 def test_sentencepiece_model_types_must_match(sp_tokenizer_dir, tmp_path, corpus):
     with pytest.raises(ValueError, match="tokenizer.model_type: the base SentencePiece model is bpe"):
-        write_extended(sp_tokenizer_dir, tmp_path / "out", corpus[0][:500], 1000, "unigram", 0.9995)
+        write_extended(
+            sp_tokenizer_dir,
+            tmp_path / "out",
+            corpus[0][:500],
+            vocab_size=1000,
+            model_type="unigram",
+            character_coverage=0.9995,
+        )
 
 
 def test_byte_level_merges_skip_known_and_unreachable_tokens():
@@ -72,7 +86,9 @@ def test_sentencepiece_vocab_below_alphabet_is_named(sp_tokenizer_dir, tmp_path,
     with pytest.raises(
         ValueError, match="tokenizer.vocab_size / tokenizer.character_coverage: .*smaller than required"
     ):
-        write_extended(sp_tokenizer_dir, tmp_path / "out", corpus[0], 1000, "bpe", 0.9995)
+        write_extended(
+            sp_tokenizer_dir, tmp_path / "out", corpus[0], vocab_size=1000, model_type="bpe", character_coverage=0.9995
+        )
     assert not (tmp_path / "out" / "tokenizer.model").exists()
 
 

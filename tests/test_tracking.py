@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from pipeline.atomic import read_json
 from pipeline.tracking import (
     HTTP_DEFAULTS,
     MAX_PARAM_VALUE,
@@ -102,9 +103,9 @@ def test_runtime_tags_versions_and_git(tmp_path: Path):
 
 def test_stages_of_one_execution_share_one_run(tmp_path: Path):
     id_file = tmp_path / "out" / "run.json"
-    first = open_run(URI, "lora", id_file, "exec-1", run_name="smoke")
+    first = open_run(URI, "lora", id_file, execution="exec-1", run_name="smoke")
     assert not first.disabled
-    recorded = json.loads(id_file.read_text())
+    recorded = read_json(id_file)
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     assert recorded == {"execution": "exec-1", "run_id": first.run_id, "tracking_uri": uri}
     first.log_params(flatten({"lora": {"r": 8}}))
@@ -114,7 +115,7 @@ def test_stages_of_one_execution_share_one_run(tmp_path: Path):
     first.close()
     assert client().get_run(first.run_id).info.status == "FINISHED"
 
-    second = open_run(URI, "lora", id_file, "exec-1")
+    second = open_run(URI, "lora", id_file, execution="exec-1")
     assert second.run_id == first.run_id
     assert client().get_run(second.run_id).info.status == "RUNNING"
     second.log_params({"lora.r": 8, "eval.context": 64})  # an equal value again is accepted
@@ -142,12 +143,14 @@ def test_stages_of_one_execution_share_one_run(tmp_path: Path):
 
 def test_next_execution_gets_a_new_run_and_ends_an_interrupted_one(tmp_path: Path):
     id_file = tmp_path / "run.json"
-    interrupted = open_run(URI, "lora", id_file, "exec-1", parent_run_id="sweep-parent")  # never closed: killed
-    following = open_run(URI, "lora", id_file, "exec-2")
+    interrupted = open_run(
+        URI, "lora", id_file, execution="exec-1", parent_run_id="sweep-parent"
+    )  # never closed: killed
+    following = open_run(URI, "lora", id_file, execution="exec-2")
     assert following.run_id != interrupted.run_id
     assert client().get_run(interrupted.run_id).info.status == "KILLED"
     assert client().get_run(interrupted.run_id).data.tags["mlflow.parentRunId"] == "sweep-parent"
-    assert json.loads(id_file.read_text())["execution"] == "exec-2"
+    assert read_json(id_file)["execution"] == "exec-2"
     following.close()
 
 
@@ -156,11 +159,11 @@ def test_new_run_when_id_file_names_another_uri_experiment_or_a_deleted_run(tmp_
     first = open_run(URI, "lora", id_file)
     first.close()
 
-    recorded = json.loads(id_file.read_text())
+    recorded = read_json(id_file)
     id_file.write_text(json.dumps({**recorded, "tracking_uri": "sqlite:////elsewhere/mlruns.db"}))
     other_uri = open_run(URI, "lora", id_file)
     assert other_uri.run_id != first.run_id
-    assert json.loads(id_file.read_text())["run_id"] == other_uri.run_id
+    assert read_json(id_file)["run_id"] == other_uri.run_id
     other_uri.close()
 
     other_experiment = open_run(URI, "lora-sweep", id_file)
@@ -181,14 +184,16 @@ def test_relative_store_resolves_against_the_given_root(tmp_path: Path):
     assert resolve_uri("sqlite:////abs/mlruns.db", tmp_path) == "sqlite:////abs/mlruns.db"
     assert resolve_uri("http://host:5000", tmp_path) == "http://host:5000"
     workspace = tmp_path / "workspace"
-    tracker = open_run(URI, "lora", tmp_path / "run.json", "exec-1", root=workspace)  # a queued experiment's copy
+    tracker = open_run(
+        URI, "lora", tmp_path / "run.json", execution="exec-1", root=workspace
+    )  # a queued experiment's copy
     assert (workspace / "mlruns.db").is_file() and not tracker.disabled
     tracker.close()
 
 
 def test_unreachable_server_warns_once_per_execution(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     id_file = tmp_path / "run.json"
-    tracker = open_run(UNREACHABLE, "lora", id_file, "exec-1")  # HTTP_DEFAULTS: 3 attempts, ~2 s in all
+    tracker = open_run(UNREACHABLE, "lora", id_file, execution="exec-1")  # HTTP_DEFAULTS: 3 attempts, ~2 s in all
     assert tracker.disabled and tracker.missing == f"MlflowException on {UNREACHABLE}"
     tracker.log_params({"a": 1})
     tracker.set_tags({"b": "c"})
@@ -199,13 +204,13 @@ def test_unreachable_server_warns_once_per_execution(tmp_path: Path, capfd: pyte
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"tracking: cannot open a run on {UNREACHABLE} (")
     assert "Connection refused" in err and err.endswith("; going on without MLflow\n")
-    assert json.loads(id_file.read_text())["missing"] == tracker.missing, "the execution's run is marked missing"
+    assert read_json(id_file)["missing"] == tracker.missing, "the execution's run is marked missing"
 
-    later_stage = open_run(UNREACHABLE, "lora", id_file, "exec-1")
+    later_stage = open_run(UNREACHABLE, "lora", id_file, execution="exec-1")
     assert later_stage.disabled and later_stage.missing == tracker.missing
     assert capfd.readouterr().err == "", "later stages of the execution neither wait nor warn again"
 
-    back = open_run(URI, "lora", id_file, "exec-2")
+    back = open_run(URI, "lora", id_file, execution="exec-2")
     assert not back.disabled and back.missing is None
     back.close()
 
@@ -276,7 +281,7 @@ from pathlib import Path
 from pipeline.tracking import open_run
 
 name, uri = sys.argv[1], sys.argv[2]
-tracker = open_run(uri, "lora", Path(name + ".json"), name, run_name=name)
+tracker = open_run(uri, "lora", Path(name + ".json"), execution=name, run_name=name)
 tracker.log_params({f"p{i}": i for i in range(50)})
 for step in range(1, 101):
     tracker.log_metrics({"loss": 1.0 / step, "lr": 1e-4}, step=step)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +16,8 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline import config
-from pipeline.ds_config import free_port
+from pipeline.atomic import read_json
+from pipeline.processes import free_port
 from pipeline.tokenizer import META
 from tests.conftest import REPO
 from tests.training import (
@@ -38,11 +39,8 @@ def test_reference_trains_the_adapter_and_the_resized_embeddings(reference, inpu
     lora_b = [v for k, v in state.items() if "lora_B" in k]
     assert lora_b and all(v.abs().max() > 0 for v in lora_b), "LoRA B left at its zero init"
     embeddings = [v for k, v in state.items() if "embed_tokens" in k and "modules_to_save" in k]
-    assert (
-        embeddings
-        and embeddings[0].shape[0] == json.loads((inputs / "tokenizer" / META).read_text())["padded_vocab_size"]
-    )
-    metrics = json.loads((reference / "metrics.json").read_text())
+    assert embeddings and embeddings[0].shape[0] == read_json(inputs / "tokenizer" / META)["padded_vocab_size"]
+    metrics = read_json(reference / "metrics.json")
     assert metrics["steps"] == 6 and metrics["world_size"] == 1
     assert metrics["val_perplexity"] > 1 and metrics["tokens_per_s"] > 0
     curve = losses(reference)
@@ -52,11 +50,11 @@ def test_reference_trains_the_adapter_and_the_resized_embeddings(reference, inpu
     assert tag == "step_000006"
     for name in ("adapter_config.json", "tokenizer.json", "trainer_state.json", "rng_state_rank0.pt"):
         assert (checkpoint / tag / name).is_file(), name
-    adapter_config = json.loads((checkpoint / tag / "adapter_config.json").read_text())
+    adapter_config = read_json(checkpoint / tag / "adapter_config.json")
     from mlflow import MlflowClient
 
     client = MlflowClient(f"sqlite:///{reference}/mlruns.db")
-    run = client.get_run(json.loads((reference / "run_id.json").read_text())["run_id"])
+    run = client.get_run(read_json(reference / "run_id.json")["run_id"])
     assert run.data.params["lora.r"] == "4" and run.data.tags["world_size"] == "1"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5, 6]
     assert adapter_config["r"] == 4 and "embed_tokens" in adapter_config["modules_to_save"]  # lm_head is tied to it
@@ -106,7 +104,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     assert first in ("step_000003", "step_000006")
     rerun = train(inputs, tiny_base_dir, out, overrides)
     assert f"resuming from {out / 'checkpoints' / first}" in rerun.stdout
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = read_json(out / "metrics.json")
     assert metrics["resumed_from_step"] == int(first.removeprefix("step_"))
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(whole)), atol=1e-6, rtol=0)
     expected, resumed = load_file(whole / "final.safetensors"), load_file(out / "final.safetensors")
@@ -176,3 +174,20 @@ def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, r
     assert done.returncode == 2, done.stderr
     assert "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)" in done.stderr
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
+
+
+def test_a_finished_run_rerun_reports_the_figures_of_the_run_that_trained_it(
+    tmp_path, inputs, tiny_base_dir, two_ranks_zero2
+):
+    """`dvc repro` re-runs train after a launcher change: no rank starts, and metrics.json keeps the training run's
+    measurements (not an idle process's), marked with the checkpoint they come from."""
+    shutil.copytree(two_ranks_zero2 / "checkpoints", tmp_path / "checkpoints")
+    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *ONE_RANK, "deepspeed=zero2"])
+    at = command.index("--final-state")
+    done = subprocess.run(command[:at] + command[at + 2 :], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "is this run's final checkpoint; its figures are reported" in done.stdout
+    assert "launch.py" not in done.stdout + done.stderr, "no rank was started"
+    trained, reported = read_json(two_ranks_zero2 / "metrics.json"), read_json(tmp_path / "metrics.json")
+    assert reported == {**trained, "reused_checkpoint": "step_000006"}
+    assert (tmp_path / "curve.csv").read_text() == (two_ranks_zero2 / "curve.csv").read_text()

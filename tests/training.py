@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline import config
+from pipeline.processes import with_venv_path
 from tests.conftest import REPO
 
 TINY = [
@@ -37,7 +37,7 @@ def train_command(inputs: Path, base: Path, out: Path, overrides: list[str]) -> 
 
 
 def env() -> dict:
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return with_venv_path()
 
 
 def train(

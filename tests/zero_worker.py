@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline import ds_config, trainer
-from pipeline.model import load_lora_model, parameter_groups
+from pipeline.checkpoints import folder
+from pipeline.model import LoraSpec, load_lora_model, parameter_groups
+from pipeline.processes import leave_process_group
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -28,10 +30,25 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for item in args.configs:
         stage, precision = item.split(":")
-        model = load_lora_model(
-            args.base, args.vocab_rows, "mean", 4, 8, 0.0, False, TARGETS, ["embed_tokens", "lm_head"], 0, False
+        lora = LoraSpec(
+            r=4,
+            alpha=8,
+            dropout=0.0,
+            use_rslora=False,
+            target_modules=TARGETS,
+            modules_to_save=["embed_tokens", "lm_head"],
         )
-        config = ds_config.build(int(stage), False, False, False, True, precision, 1, 1, world, 1e-2, 0.01, 1.0)
+        model = load_lora_model(base_dir=args.base, vocab_rows=args.vocab_rows, lora=lora, seed=0)
+        config = ds_config.build(
+            zero=ds_config.ZeroSettings(stage=int(stage)),
+            precision=precision,
+            micro=1,
+            accumulation=1,
+            world_size=world,
+            lr=1e-2,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+        )
         engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, 0.01), config=config)
         engine.train()
         for step in range(2):
@@ -39,10 +56,11 @@ def main() -> None:
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
         out = args.out / f"zero{stage}_{precision}_ranks{world}"
-        trainer.save_checkpoint(engine, out, 2, {"step": 2}, args.base, keep_last=1)
+        folder.save(engine=engine, directory=out, step=2, state={"step": 2}, tokenizer_dir=args.base, keep_last=1)
         state = trainer.gathered_trainable(engine)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, str(out / "final.safetensors"))
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ from pathlib import Path
 import yaml
 
 from pipeline import config
-from pipeline.cli import guarded
+from pipeline.errors import guarded
 from pipeline.tracking import Tracker, flatten, numeric_leaves, open_run, runtime_tags
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
 PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipelines' runs become child runs
-RUN_ID_FILE = Path("logs/mlflow_run.json")
 
 Main = Callable[[argparse.Namespace, config.Config], "dict | None"]
 
@@ -55,7 +54,7 @@ def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
         cfg.tracking.uri,
         cfg.tracking.experiment,
         run_id_file,
-        execution,
+        execution=execution,
         run_name=os.environ.get("DVC_EXP_NAME"),
         parent_run_id=os.environ.get(PARENT_RUN_ENV),
         root=Path(os.environ.get("DVC_ROOT") or Path.cwd()),
@@ -69,7 +68,7 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
     its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if `main` raises)."""
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     if prefix is not None:
-        parser.add_argument("--run-id-file", type=Path, default=RUN_ID_FILE, help="the pipeline's MLflow run id")
+        parser.add_argument("--run-id-file", type=Path, required=True, help="the pipeline's MLflow run id (JSON)")
     args = parser.parse_args()
 
     def tracked() -> None:

@@ -10,15 +10,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline import safetensors_stream
 from pipeline.atomic import atomic_path
+from pipeline.checkpoints import adapter, safetensors_stream
+from pipeline.checkpoints.zero_shards import master_weights
+from pipeline.precision import DTYPES
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
-from pipeline.zero_checkpoint import master_weights
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MANIFEST = "consolidate_manifest.json"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_tag(checkpoint_dir: Path, tag: str | None) -> str:
@@ -38,28 +36,23 @@ def resolve_tag(checkpoint_dir: Path, tag: str | None) -> str:
 
 def find_adapter_config(checkpoint_dir: Path, tag: str, explicit: Path | None) -> dict:
     """The LoRA config: --adapter-config, else the tag folder's, else the checkpoint folder's."""
-    candidates = [explicit] if explicit else [checkpoint_dir / tag / ADAPTER_CONFIG, checkpoint_dir / ADAPTER_CONFIG]
+    candidates = [explicit] if explicit else [checkpoint_dir / tag / adapter.CONFIG, checkpoint_dir / adapter.CONFIG]
     for path in candidates:
         if path.is_file():
-            config = json.loads(path.read_text(encoding="utf-8"))
-            if config.get("peft_type") != "LORA":
-                raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-            if isinstance(config.get("target_modules"), list):  # a set in PEFT: its saved order varies per process
-                config["target_modules"] = sorted(config["target_modules"])
-            return config
+            return adapter.read_config(path)
     raise FileNotFoundError(
         f"{' or '.join(map(str, candidates))}: no LoRA adapter config; pass --adapter-config FILE "
         f"(written by LoraConfig.save_pretrained)"
     )
 
 
-def peft_key(name: str, adapter: str = "default") -> str:
-    """An engine parameter name as PEFT's save_pretrained writes it (no adapter name, no modules_to_save.)."""
-    return name.replace(f"modules_to_save.{adapter}.", "").replace(f".{adapter}.", ".")
-
-
 def consolidate(
-    checkpoint_dir: Path, output_dir: Path, tag: str | None, adapter_config: Path | None, dtype: str = "fp32"
+    *,
+    checkpoint_dir: Path,
+    output_dir: Path,
+    tag: str | None = None,
+    adapter_config: Path | None = None,
+    dtype: str = "fp32",
 ) -> dict:
     """Write OUTPUT_DIR as a PEFT adapter folder (+ manifest); nothing is written unless every check passes."""
     from importlib.metadata import version
@@ -67,7 +60,7 @@ def consolidate(
     tag = resolve_tag(checkpoint_dir, tag)
     config = find_adapter_config(checkpoint_dir, tag, adapter_config)
     state, source = master_weights(checkpoint_dir / tag)
-    names = {peft_key(name): name for name in state}
+    names = {adapter.peft_key(name): name for name in state}
     if not any("lora_" in key for key in names):
         raise ValueError(f"{checkpoint_dir / tag}: no LoRA parameters among the trainable tensors {sorted(names)}")
     entries = [(key, tuple(state[names[key]][0]), DTYPES[dtype]) for key in sorted(names)]
@@ -80,7 +73,7 @@ def consolidate(
 
     with atomic_path(output_dir) as tmp:
         tmp.mkdir()
-        digests = safetensors_stream.write(tmp / ADAPTER_WEIGHTS, entries, produce)
+        digests = safetensors_stream.write(tmp / adapter.WEIGHTS, entries, produce)
         manifest = {
             "source": {**source.__dict__, "checkpoint": str(checkpoint_dir), "deepspeed_here": version("deepspeed")},
             "dtype": dtype,
@@ -89,8 +82,8 @@ def consolidate(
                 key: {"shape": list(shape), "dtype": str(kind).removeprefix("torch."), "sha256": digests[key]}
                 for key, shape, kind in entries
             },
-        }  # fmt: skip
-        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        }
+        (tmp / adapter.CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for extra in TOKENIZER_FILES:
             if (checkpoint_dir / tag / extra).is_file():

@@ -30,6 +30,7 @@ def write(
     path: Path,
     entries: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
     produce: Callable[[str], torch.Tensor],
+    *,
     metadata: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Write `entries` (name, shape, dtype) in order, each from produce(name); returns {name: sha256}."""
@@ -69,29 +70,6 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + length
 
 
-def read_tensor(path: Path, name: str, header: dict, start: int) -> torch.Tensor:
-    """One tensor read with plain file reads (no memory map: the file's pages never count as ours)."""
-    entry = header[name]
-    tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
-    begin, end = entry["data_offsets"]
-    with open(path, "rb") as f:
-        f.seek(start + begin)
-        if f.readinto(raw_bytes(tensor)) != end - begin:
-            raise ValueError(f"{path}: truncated: tensor {name} ends past the end of the file")
-    return tensor
-
-
-def digest(path: Path, name: str, header: dict, start: int) -> str:
-    """sha256 of one tensor's bytes, read in chunks."""
-    begin, end = header[name]["data_offsets"]
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start + begin)
-        for offset in range(begin, end, CHUNK):
-            sha.update(f.read(min(CHUNK, end - offset)))
-    return sha.hexdigest()
-
-
 @dataclass(frozen=True)
 class Stored:
     """A tensor inside a safetensors file: its shape from the header, its values read on demand."""
@@ -106,10 +84,25 @@ class Stored:
         return self.header[self.name]["shape"]
 
     def read(self) -> torch.Tensor:
-        return read_tensor(self.path, self.name, self.header, self.start)
+        """The tensor, read with plain file reads (no memory map: the file's pages never count as ours)."""
+        entry = self.header[self.name]
+        tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+        begin, end = entry["data_offsets"]
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            if f.readinto(raw_bytes(tensor)) != end - begin:
+                raise ValueError(f"{self.path}: truncated: tensor {self.name} ends past the end of the file")
+        return tensor
 
     def digest(self) -> str:
-        return digest(self.path, self.name, self.header, self.start)
+        """sha256 of the tensor's bytes, read in chunks."""
+        begin, end = self.header[self.name]["data_offsets"]
+        sha = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            for offset in range(begin, end, CHUNK):
+                sha.update(f.read(min(CHUNK, end - offset)))
+        return sha.hexdigest()
 
 
 def stored(path: Path) -> dict[str, Stored]:

@@ -2,15 +2,14 @@
 change, such as the base, tokenizer and dataset, are reused) and is logged as an MLflow child run of the sweep's
 run; every combination is checked before the first one starts; a summary table ends the sweep.
 
-    python -m stages.sweep -m lora.r=8,16 train.lr=1e-4,3e-4
-    python -m stages.sweep -m hydra/sweeper=optuna hydra.sweeper.n_trials=4 'lora.r=choice(4,8)' \\
+    python -m tools.sweep -m lora.r=8,16 train.lr=1e-4,3e-4
+    python -m tools.sweep -m hydra/sweeper=optuna hydra.sweeper.n_trials=4 'lora.r=choice(4,8)' \\
         'train.lr=interval(1e-4,1e-3)'        # Optuna minimises sweep.objective (eval bits per byte)
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -23,13 +22,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.atomic import atomic_path, write_json
+from pipeline.atomic import atomic_path, read_json, write_json
 from pipeline.config import validate
+from pipeline.processes import with_venv_path
 from pipeline.tracking import Tracker, open_run
-from stages.common import EXECUTION_ENV, PARENT_RUN_ENV, RUN_ID_FILE
+from stages._common import EXECUTION_ENV, PARENT_RUN_ENV
+from tools.paths import dvc_paths
 
-EVAL_METRICS = Path("metrics/eval.json")
-TRAIN_METRICS = Path("metrics/train.json")
+PATHS = dvc_paths()
+EVAL_METRICS, TRAIN_METRICS, RUN_ID_FILE = PATHS["metrics"]["eval"], PATHS["metrics"]["train"], PATHS["mlflow_run"]
 JOB_RUN = "mlflow_run.json"  # in each job's Hydra output folder: its pipeline's run (the job hands it to the callback)
 
 
@@ -115,9 +116,12 @@ class SweepCallback(Callback):
         self.folder = Path(config.hydra.sweep.dir)
         tracking = config.tracking
         self.parent = open_run(
-            tracking.uri, tracking.experiment, self.folder / "parent_run.json", f"sweep-{uuid.uuid4().hex}",
+            tracking.uri,
+            tracking.experiment,
+            self.folder / "parent_run.json",
+            execution=f"sweep-{uuid.uuid4().hex}",
             run_name=f"sweep {self.folder.name}",
-        )  # fmt: skip
+        )
         self.parent.set_tags({"sweep.overrides": " ".join(overrides), "sweep.objective": self.objective})
         if self.parent.run_id:
             os.environ[PARENT_RUN_ENV] = self.parent.run_id
@@ -127,9 +131,9 @@ class SweepCallback(Callback):
         from hydra.core.utils import JobStatus
 
         done = job_return.status == JobStatus.COMPLETED
-        train = json.loads(TRAIN_METRICS.read_text(encoding="utf-8")) if done and TRAIN_METRICS.is_file() else {}
+        train = read_json(TRAIN_METRICS) if done and TRAIN_METRICS.is_file() else {}
         handed = Path(config.hydra.runtime.output_dir) / JOB_RUN
-        run = json.loads(handed.read_text(encoding="utf-8")).get("run_id") if handed.is_file() else None
+        run = read_json(handed).get("run_id") if handed.is_file() else None
         self.rows.append(
             {
                 "job": config.hydra.job.num,
@@ -171,18 +175,17 @@ def main(cfg: DictConfig) -> float:
     name = f"sweep-{job}-{HydraConfig.get().job.num}"  # the DVC experiment, also when only track is forced
     command = ["dvc", "exp", "run", "-n", name, *itertools.chain.from_iterable(("-S", o) for o in overrides)]
     print(f"sweep: job {HydraConfig.get().job.num}: {' '.join(command)}", flush=True)
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    env = {**os.environ, "PATH": path, EXECUTION_ENV: f"sweep-job-{job}"}
+    env = {**with_venv_path(), EXECUTION_ENV: f"sweep-job-{job}"}
     forced = ["dvc", "repro", "--force", "--single-item", "track"]
     for step, extra in ((command, {}), (forced, {"DVC_EXP_NAME": name})):
         done = subprocess.run(step, env={**env, **extra})
         if done.returncode:
             raise RuntimeError(f"sweep job {' '.join(overrides)}: `{' '.join(step)}` exited {done.returncode}")
-        recorded = json.loads(RUN_ID_FILE.read_text(encoding="utf-8")) if RUN_ID_FILE.is_file() else {}
+        recorded = read_json(RUN_ID_FILE) if RUN_ID_FILE.is_file() else {}
         if recorded.get("execution") == env[EXECUTION_ENV]:
             write_json(Path(HydraConfig.get().runtime.output_dir) / JOB_RUN, recorded)
             break
-    return lookup(json.loads(EVAL_METRICS.read_text(encoding="utf-8")), cfg.sweep.objective)
+    return lookup(read_json(EVAL_METRICS), cfg.sweep.objective)
 
 
 if __name__ == "__main__":

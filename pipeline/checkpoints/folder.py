@@ -1,4 +1,5 @@
-"""Training checkpoints: which one is complete, whether it belongs to this run, and the per-rank RNG state."""
+"""A training run's checkpoint folder: which tag is complete, whether it belongs to this run, pruning, the per-rank
+RNG state, and saving one (DeepSpeed's shards + adapter config + tokenizer + trainer state, `latest` last)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.atomic import atomic_path
-from pipeline.convert import universal_path
+from pipeline.atomic import atomic_path, read_json
+from pipeline.checkpoints.universal import universal_path
+from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 LATEST = "latest"
 STATE = "trainer_state.json"
@@ -52,7 +54,7 @@ def latest_tag(checkpoint_dir: Path) -> str | None:
 
 
 def read_state(checkpoint_dir: Path, tag: str) -> dict:
-    return json.loads((checkpoint_dir / tag / STATE).read_text(encoding="utf-8"))
+    return read_json(checkpoint_dir / tag / STATE)
 
 
 def check_same_model(state: dict, source: Path, identity: dict) -> None:
@@ -110,3 +112,26 @@ def set_rng_state(state: dict) -> None:
 
 def rng_file(checkpoint_dir: Path, tag: str, rank: int) -> Path:
     return checkpoint_dir / tag / f"rng_state_rank{rank}.pt"
+
+
+def save(*, engine, directory: Path, step: int, state: dict, tokenizer_dir: Path, keep_last: int) -> str:
+    """DeepSpeed shards + adapter config + tokenizer + RNG; `latest` moves only when every rank is done."""
+    import deepspeed.comm as dist
+
+    tag, rank = tag_for(step), dist.get_rank()
+    if rank == 0 and (directory / tag).exists():
+        shutil.rmtree(directory / tag)  # a save interrupted earlier at this step
+    dist.barrier()
+    engine.save_checkpoint(str(directory), tag=tag, save_latest=False, exclude_frozen_parameters=True)
+    torch.save(rng_state(), rng_file(directory, tag, rank))
+    dist.barrier()
+    if rank == 0:
+        engine.module.peft_config["default"].save_pretrained(str(directory / tag))
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, directory / tag / name)
+        (directory / tag / STATE).write_text(json.dumps(state, indent=2, sort_keys=True), encoding="utf-8")
+        point_latest(directory, tag)
+        prune(directory, keep_last)
+    dist.barrier()
+    return tag

@@ -3,14 +3,12 @@ every output must have the same DVC hash in both dvc.lock files (outputs that re
 compared without those, with the reason printed), the evaluation figures must be equal, and `dvc status` must be
 clean afterwards. Exit 0 when all holds, 1 with the differences listed otherwise.
 
-    python -m stages.repro_check [--workdir DIR] [OVERRIDE ...]   (default: experiment=tiny on a tiny random LLaMA)
+    python -m tools.repro_check [--workdir DIR] [OVERRIDE ...]   (default: experiment=tiny on a tiny random LLaMA)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +16,9 @@ import tempfile
 from pathlib import Path
 
 import yaml
+
+from pipeline.atomic import read_json
+from pipeline.processes import with_venv_path
 
 REPO = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=pipeline", "-c", "user.email=pipeline@localhost", "-c", "commit.gpgsign=false"]
@@ -30,12 +31,9 @@ MEASURED = {
 MEASUREMENT_KEYS = ("tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu")
 
 
-def sh(args: list[str], cwd: Path, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def sh(args: list[str], cwd: Path, *, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a command with this interpreter's bin folder first on PATH; failures raise with the output."""
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-    done = subprocess.run(
-        args, cwd=cwd, env={**os.environ, "PATH": path, **(env or {})}, capture_output=True, text=True
-    )
+    done = subprocess.run(args, cwd=cwd, env={**with_venv_path(), **(env or {})}, capture_output=True, text=True)
     if check and done.returncode:
         raise RuntimeError(
             f"{' '.join(args)} exited {done.returncode} in {cwd}:\n{done.stdout[-5000:]}\n{done.stderr[-5000:]}"
@@ -69,7 +67,7 @@ def _outputs(root: Path) -> dict[tuple[str, str], str]:
 
 
 def _without_measurements(path: Path) -> dict:
-    figures = json.loads(path.read_text(encoding="utf-8"))
+    figures = read_json(path)
     return {k: v for k, v in figures.items() if k not in MEASUREMENT_KEYS}
 
 
@@ -90,7 +88,7 @@ def compare(first: Path, second: Path) -> tuple[list[str], list[str]]:
             report.append(f"{stage:<18} {path:<34} {'same hash' if same else 'DIFFERENT hash'} {a[stage, path]}")
         if not same:
             differences.append(f"{stage}: {path} differs between the two runs")
-    evaluations = [json.loads((root / "metrics/eval.json").read_text(encoding="utf-8")) for root in (first, second)]
+    evaluations = [read_json(root / "metrics/eval.json") for root in (first, second)]
     report.append(f"evaluation figures: {'equal' if evaluations[0] == evaluations[1] else 'DIFFERENT'}")
     if evaluations[0] != evaluations[1]:
         differences.append(f"metrics/eval.json: {evaluations[0]} != {evaluations[1]}")

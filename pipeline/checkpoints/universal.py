@@ -1,4 +1,4 @@
-"""Checkpoint layouts. A ZeRO 1-3 checkpoint tag (any world size) -> DeepSpeed's universal layout: per parameter
+"""DeepSpeed's universal checkpoint layout. A ZeRO 1-3 checkpoint tag (any world size) -> per parameter
 `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt` ({"cat_dim": 0, "param": tensor}) and `step.pt`, which an engine of any
 world size under ZeRO 1-3 loads (`load_universal`). Written beside the source, never over anything, by N worker
 processes (forked: nothing has run a parallel torch kernel yet) each holding one tensor at a time, into a temporary
@@ -7,9 +7,7 @@ folder renamed into place when complete."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -17,12 +15,11 @@ from pathlib import Path
 import torch
 
 from pipeline.atomic import atomic_path
-from pipeline.ds_config import free_port
-from pipeline.zero_checkpoint import optimizer_state
+from pipeline.checkpoints.zero_shards import MOMENTS, optimizer_state
 
 SUFFIX = "_universal"
 MANIFEST = "universal_manifest.json"
-KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+KINDS = ("fp32", *MOMENTS)
 CARRIED = ("*_model_states.pt", "trainer_state.json", "adapter_config.json", "tokenizer*", "*.jinja", "*.model")
 
 
@@ -36,7 +33,8 @@ def is_universal(folder: Path) -> bool:
     return (folder / MANIFEST).is_file() and (folder / "zero").is_dir()
 
 
-def _refuse_existing(out_dir: Path) -> None:
+def refuse_existing(out_dir: Path) -> None:
+    """A conversion writes a new folder, never over one."""
     if out_dir.exists():
         raise ValueError(f"{out_dir}: already exists; a conversion writes a new folder and never over one")
 
@@ -46,7 +44,7 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
     tag_dir, out_dir = Path(tag_dir), Path(out_dir)
     if workers < 1:
         raise ValueError(f"--workers: expected at least 1, got {workers}")
-    _refuse_existing(out_dir)
+    refuse_existing(out_dir)
     if out_dir.resolve().is_relative_to(tag_dir.resolve()):
         raise ValueError(f"{out_dir}: inside the source checkpoint {tag_dir}; expected a folder beside it")
     states, source = optimizer_state(tag_dir)  # every check on the shards happens here, before anything is written
@@ -56,7 +54,7 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
         (tmp / "zero").mkdir(parents=True)
         chunks = [names[i::workers] for i in range(min(workers, len(names)))]
         if len(chunks) <= 1:
-            _write(states, tmp / "zero", names, step)
+            _write(states=states, zero=tmp / "zero", names=names, step=step)
         else:
             count = len(chunks)
             with ProcessPoolExecutor(count, mp_context=get_context("fork")) as pool:  # no second torch import
@@ -73,36 +71,6 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
     return manifest
 
 
-def to_zero(
-    universal: Path, out_dir: Path, base: Path, world_size: int, zero_stage: int, port: int | None = None
-) -> None:
-    """A universal checkpoint -> a checkpoint folder (`latest` + tag) of `world_size` ranks under ZeRO-`zero_stage`,
-    which a run of that layout resumes as its own. DeepSpeed partitions only inside an engine: that many CPU ranks
-    (pipeline/zero_writer.py) build it from `base` and save it. Every rank loads the base model."""
-    if not is_universal(universal):
-        raise FileNotFoundError(f"{universal}: not a complete universal checkpoint ({MANIFEST} or zero/ missing)")
-    _refuse_existing(out_dir)
-    if zero_stage not in (1, 2, 3) or world_size < 1:
-        raise ValueError(
-            f"--zero-stage/--world-size: expected a stage of 1-3 and >= 1 rank, got {zero_stage}/{world_size}"
-        )
-    if not (base / "config.json").is_file():
-        raise FileNotFoundError(f"--base: {base}/config.json missing; expected the base model's HF folder")
-    port = port or free_port()
-    launcher = ["deepspeed", "--num_gpus", str(world_size), "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    with atomic_path(out_dir) as tmp:
-        command = [
-            *launcher, "--module", "pipeline.zero_writer", "--universal", str(universal), "--out", str(tmp),
-            "--base", str(base), "--zero-stage", str(zero_stage),
-        ]  # fmt: skip
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(
-                f"the conversion ranks failed (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-            )
-
-
 def ensure_universal(tag_dir: Path, workers: int = 1) -> tuple[Path, dict | None]:
     """The universal form of `tag_dir` beside it: the complete one already there (manifest None), else written now
     (its manifest), after removing what a conversion that was killed left."""
@@ -114,13 +82,13 @@ def ensure_universal(tag_dir: Path, workers: int = 1) -> tuple[Path, dict | None
     return out, to_universal(tag_dir, out, workers)
 
 
-def _write_in_worker(tag_dir: Path, zero: Path, names: list[str], step: int | None) -> None:
+def _write_in_worker(tag_dir: Path, zero: Path, names: list[str], step: int | None) -> None:  # pool.map's order
     """One worker process: map the shards itself (their pages are shared) and write its parameters."""
     torch.set_num_threads(1)
-    _write(optimizer_state(tag_dir)[0], zero, names, step)
+    _write(states=optimizer_state(tag_dir)[0], zero=zero, names=names, step=step)
 
 
-def _write(states: dict, zero: Path, names: list[str], step: int | None) -> None:
+def _write(*, states: dict, zero: Path, names: list[str], step: int | None) -> None:
     """Write each parameter's files, one tensor in memory at a time."""
     for name in names:
         folder = zero / name

@@ -1,0 +1,178 @@
+"""One DeepSpeed rank of the train stage (started by stages/train.py through the deepspeed launcher)."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from pipeline import config
+from stages._common import run
+
+
+def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
+    """The LoRA model inside a DeepSpeed engine, as the stage's ds_config.json describes it; and its schedule."""
+    import deepspeed
+
+    from pipeline import trainer
+    from pipeline.atomic import read_json
+    from pipeline.model import LoraSpec, load_lora_model, parameter_groups
+
+    t = cfg.train
+    model = load_lora_model(
+        base_dir=args.base,
+        vocab_rows=run_state["identity"]["vocab_rows"],
+        lora=LoraSpec(**cfg.lora.model_dump()),
+        seed=t.seed,
+        gradient_checkpointing=t.gradient_checkpointing,
+    )
+    schedule = trainer.Schedule(
+        micro_batch_size=t.micro_batch_size,
+        accumulation=t.gradient_accumulation_steps,
+        max_steps=t.max_steps,
+        warmup_steps=t.warmup_steps,
+        lr_scheduler=t.lr_scheduler,
+        eval_every=t.eval_every,
+        eval_max_rows=t.eval_max_rows,
+        save_every=t.save_every,
+        keep_last=t.keep_last,
+        seed=t.seed,
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=parameter_groups(model, t.weight_decay),
+        config=read_json(args.checkpoints / "ds_config.json"),
+        lr_scheduler=trainer.lr_scheduler_factory(schedule),
+    )
+    return engine, schedule
+
+
+def reporting(args: argparse.Namespace, cfg: config.Config, engine, block: int):
+    """How this rank reports (rank 0 logs to the pipeline's MLflow run and draws the progress bar; the others stay
+    silent), and the call that writes the metrics and the curve at the end (rank 0)."""
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    from pipeline import trainer
+    from pipeline.atomic import read_json, write_json
+    from pipeline.checkpoints.universal import MANIFEST
+    from pipeline.model import count_parameters
+    from stages._common import pipeline_run
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainable, total = count_parameters(engine.module)
+    tracker = pipeline_run(cfg, args.run_id_file) if rank == 0 else None  # the stage opened it: params, tags
+    bar = tqdm(total=cfg.train.max_steps, desc="train", dynamic_ncols=True, disable=rank != 0)
+    if tracker is not None:
+        tracker.set_tags({"world_size": str(world), "zero_stage": str(cfg.deepspeed.stage)})
+        print(f"train: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)", flush=True)
+        if args.resume_universal is not None:
+            source = read_json(args.resume_universal / MANIFEST)["source"]
+            converted = f"ZeRO-{source['zero_stage']} x {source['world_size']} rank(s), {source['tag']}"
+            tracker.set_tags({"resume.converted_from": converted})
+
+    def log(metrics: dict, step: int) -> None:
+        if tracker is not None:
+            tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+
+    def progress(step: int, figures: dict) -> None:
+        bar.n = step
+        bar.set_postfix({k: f"{v:.4g}" for k, v in figures.items()}, refresh=rank == 0)
+
+    def describe(summary: dict) -> dict:
+        mfu = trainer.mfu(
+            tokens_per_s=summary["tokens_per_s"],
+            n_params=total,
+            model_config=engine.module.config,
+            seq_len=block,
+            world=world,
+            device=engine.device,
+        )
+        return {
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()},
+            "peak_memory_mb": None if summary["peak_memory_mb"] is None else round(summary["peak_memory_mb"], 1),
+            "trainable_parameters": trainable,
+            "total_parameters": total,
+            "world_size": world,
+            "zero_stage": cfg.deepspeed.stage,
+            "precision": cfg.train.precision,
+            "mfu": mfu,
+        }
+
+    def finish(metrics: dict) -> None:
+        bar.close()
+        if tracker is None:
+            return
+        history = metrics.pop("history")
+        write_json(args.metrics, metrics)
+        trainer.write_curve(args.curve, history)
+        tracker.close()
+        print(f"train: {json.dumps(metrics)}", flush=True)
+
+    return trainer.Reporting(log=log, progress=progress, describe=describe), finish
+
+
+def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
+    """The gathered fp32 trainable tensors (with Adam's moments) into `path` (tests compare them); collective."""
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+
+    from pipeline import trainer
+    from pipeline.atomic import atomic_path
+
+    if path is None:
+        return
+    state = trainer.gathered_trainable(engine, moments=moments)
+    if dist.get_rank() == 0:
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    import deepspeed
+    from datasets import load_from_disk
+
+    from pipeline import trainer
+    from pipeline.atomic import read_json
+    from pipeline.processes import leave_process_group
+
+    deepspeed.init_distributed()
+    run_state = read_json(args.checkpoints / "run.json")
+    engine, schedule = build_engine(args, cfg, run_state)
+    data = load_from_disk(str(args.dataset)).with_format("numpy")
+    report, finish = reporting(args, cfg, engine, block=len(data["train"][0]["input_ids"]))
+    saved = trainer.resume(
+        engine=engine,
+        directory=args.checkpoints,
+        resume_from=args.resume_from,
+        universal=args.resume_universal,
+        seed=cfg.train.seed,
+    )
+    save_gathered(engine, args.loaded_state, moments=True)  # what the run continues from, as loaded
+    metrics = trainer.train(
+        engine=engine,
+        train_rows=data["train"],
+        val_rows=data["validation"],
+        schedule=schedule,
+        directory=args.checkpoints,
+        tokenizer_dir=args.tokenizer,
+        pad_id=run_state["pad_token_id"],
+        run_state=run_state,
+        saved=saved,
+        reporting=report,
+    )
+    save_gathered(engine, args.final_state)
+    finish(metrics)
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
+    for name in ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run-id-file"):
+        parser.add_argument(f"--{name}", type=Path, required=True)
+    parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
+    parser.add_argument("--resume-from", type=Path, help="checkpoint folder to start from when --checkpoints is empty")
+    parser.add_argument("--resume-universal", type=Path, help="universal checkpoint to start from (another layout)")
+    parser.add_argument("--loaded-state", type=Path, help="write the gathered state the run resumes from here")
+    run(main, parser)

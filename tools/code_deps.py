@@ -1,0 +1,105 @@
+"""Which of our modules each DVC stage runs: the import closure of its entry point (imports anywhere in a module,
+and modules started by name, such as `--module stages._train_rank`), against the code deps `dvc.yaml` lists.
+
+    python -m tools.code_deps        # prints, per stage, what dvc.yaml misses or lists in excess (exit 1 if any)
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "stages", "tools")
+# Modules a stage imports that cannot change its outputs, so that editing them re-runs nothing.
+NOT_DEPENDENCIES = {
+    "stages/_common.py": "the stages' harness: argument parsing, the MLflow run, turning bad input into an exit",
+    "pipeline/tracking.py": "logging to MLflow",
+    "pipeline/errors.py": "printing bad input as one line and exiting",
+    "pipeline/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
+    "pipeline/processes.py": "PATH and a free port for child processes",
+}
+
+
+def modules(root: Path = REPO) -> dict[str, Path]:
+    """Every module of ours by dotted name (packages by their own name)."""
+    found = {}
+    for package in PACKAGES:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _referenced(path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules of ours that `path` imports (anywhere) or names in a string (started by name)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)
+    return {name for name in names if name in known}
+
+
+def closure(entry: str, root: Path = REPO) -> set[Path]:
+    """Files of the modules `entry` runs, itself included; package __init__ files are left out (docstrings only),
+    and what a module of NOT_DEPENDENCIES imports is not followed."""
+    known = modules(root)
+    seen, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if str(known[name].relative_to(root)) not in NOT_DEPENDENCIES:
+            todo.extend(_referenced(known[name], known))
+    return {known[name].relative_to(root) for name in seen if known[name].name != "__init__.py"}
+
+
+def stage_entries(root: Path = REPO) -> dict[str, str]:
+    """{stage: entry module} from the `python -m MODULE` of each stage's cmd in dvc.yaml."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    return {name: re.search(r"python -m (\S+)", stage["cmd"])[1] for name, stage in stages.items()}
+
+
+def listed(root: Path = REPO) -> dict[str, set[Path]]:
+    """{stage: the .py files of ours among its deps in dvc.yaml}."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    return {
+        name: {Path(d) for d in stage.get("deps", []) if d.endswith(".py") and d.split("/")[0] in PACKAGES}
+        for name, stage in stages.items()
+    }
+
+
+def problems(root: Path = REPO) -> dict[str, dict[str, list[str]]]:
+    """{stage: {"missing": [...], "extra": [...]}} for every stage whose code deps are wrong."""
+    exempt = {Path(p) for p in NOT_DEPENDENCIES}
+    deps, found = listed(root), {}
+    for stage, entry in stage_entries(root).items():
+        runs = closure(entry, root)
+        missing = sorted(str(p) for p in runs - deps[stage] - exempt)
+        extra = sorted(str(p) for p in deps[stage] - runs)
+        if missing or extra:
+            found[stage] = {"missing": missing, "extra": extra}
+    return found
+
+
+def main() -> int:
+    found = problems()
+    for stage, what in found.items():
+        print(f"{stage}: missing {what['missing']}, not imported {what['extra']}")
+    if not found:
+        print("dvc.yaml lists every module each stage runs")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
