@@ -30,3 +30,29 @@ def leave_process_group() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+
+
+SHM = Path("/dev/shm")
+
+
+def remove_stale_shm_buffers() -> list[Path]:
+    """Delete the shared-memory files DeepSpeed's CPU all-reduce left behind. Every rank of a CPU launch creates
+    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (about 69 MB, in RAM) and DeepSpeed never removes it:
+    a few dozen launches fill the machine's memory. A file is stale when its launch is over, that is when nothing
+    listens on its rendezvous port here any more."""
+    removed = []
+    for path in SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        *_, addr, port, _rank = path.name.split("_")
+        if addr in ("127.0.0.1", "localhost", socket.gethostname()) and port.isdigit() and _port_free(int(port)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

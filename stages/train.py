@@ -14,7 +14,7 @@ from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import ensure_universal
 from pipeline.model import check_targets, meta_model
-from pipeline.processes import free_port, with_venv_path
+from pipeline.processes import free_port, remove_stale_shm_buffers, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
 from pipeline.trainer import write_curve
 from stages._common import run
@@ -160,7 +160,9 @@ def launch(args: argparse.Namespace, cfg: config.Config, accelerator: str, unive
         # A fixed mmap threshold: glibc otherwise raises it as tensors are freed, keeps activation-sized blocks in
         # its heap and never returns them (bench.train: peak RSS per rank 3.93 GB -> 3.05 GB).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    remove_stale_shm_buffers()
     done = subprocess.run(launch_command(cfg.launcher, worker_args), env=env)
+    remove_stale_shm_buffers()
     if done.returncode != 0:
         print(
             f"error: train: the DeepSpeed ranks failed (exit {done.returncode}); see their output above",

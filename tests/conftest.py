@@ -113,3 +113,13 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
     out = tmp_path_factory.mktemp("two_ranks_zero2")
     train(inputs, tiny_base_dir, out, [*TINY, *TWO_RANKS, "deepspeed=zero2"])
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left():
+    """Every DeepSpeed launch of the session leaves no shared-memory file behind (a killed one's are removed by the
+    next launch, or here)."""
+    from pipeline.processes import remove_stale_shm_buffers
+
+    yield
+    remove_stale_shm_buffers()

@@ -17,7 +17,7 @@ from pipeline.atomic import read_json
 from pipeline.checkpoints.adapter import CONFIG as ADAPTER_CONFIG
 from pipeline.checkpoints.adapter import WEIGHTS as ADAPTER_WEIGHTS
 from pipeline.checkpoints.consolidate import MANIFEST, consolidate
-from pipeline.processes import free_port, with_venv_path
+from pipeline.processes import free_port, remove_stale_shm_buffers, with_venv_path
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -46,6 +46,7 @@ def _launch(base: Path, out: Path, ranks: int) -> None:
     ]  # fmt: skip
     env = {**with_venv_path(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    remove_stale_shm_buffers()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
