@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup peer browser run test test-unit repro-check ui lint format params bench lock dag clean
+.PHONY: help setup peer browser run test test-unit repro-check ui lint format params bench scale-check lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ bench: run peer ## benchmarks against the tools users would otherwise use
 	python -m bench.evaluate
 	python -m bench.track
 	python -m bench.convert
+
+scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk)
+	python -m bench.scale_check
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

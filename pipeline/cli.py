@@ -90,7 +90,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     examples = ev.load_examples(
         tokenizer, args.file, template=args.template, max_bytes=args.max_bytes, context=args.context, key="--file"
     )
-    model = ev.load_model(args.model, args.adapter)
+    model = ev.load_model(args.model, args.adapter, precision=args.precision)
     ev.check_vocabulary(tokenizer, model, str(args.tokenizer or args.adapter or args.model))
     result = ev.score(model, examples, context=args.context, stride=args.stride, batch_size=args.batch_size).as_dict()
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
@@ -137,6 +137,9 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batch-size", type=int, default=4)
     evaluate.add_argument("--max-bytes", type=int, help="score whole documents up to this many bytes")
     evaluate.add_argument("--template", default="alpaca", help="prompt template for alpaca-style JSONL")
+    evaluate.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the hardware has it"
+    )
     evaluate.set_defaults(handler=_evaluate)
     return top
 

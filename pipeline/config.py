@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -99,15 +99,15 @@ class DeepSpeedConfig(Section):
 class TrainConfig(Section):
     global_batch_size: int = PositiveInt
     micro_batch_size: int = PositiveInt
-    gradient_accumulation_steps: int = PositiveInt
+    gradient_accumulation_steps: Annotated[int, Field(gt=0)] | Literal["auto"]
     max_steps: int = PositiveInt
     lr: float = Field(gt=0.0)
     weight_decay: float = Field(ge=0.0)
     warmup_steps: int = Field(ge=0)
     lr_scheduler: Literal["cosine", "linear", "constant"]
     max_grad_norm: float = Field(gt=0.0)
-    precision: Literal["bf16", "fp16", "fp32"]
-    gradient_checkpointing: bool
+    precision: Literal["auto", "bf16", "fp16", "fp32"]
+    gradient_checkpointing: bool | Literal["auto"]
     resize_embeddings: bool
     eval_every: int = PositiveInt
     eval_max_rows: int = Field(ge=0)
@@ -134,6 +134,7 @@ class EvalConfig(Section):
     max_bytes: int | None = Field(gt=0)
     max_new_tokens: int = Field(ge=0)
     prompts: list[str]
+    precision: Literal["auto", "bf16", "fp32"]
 
     @model_validator(mode="after")
     def _window(self) -> EvalConfig:
@@ -157,7 +158,7 @@ class TrackingConfig(Section):
 
 
 class LauncherConfig(Section):
-    ranks_per_node: int = PositiveInt
+    ranks_per_node: Annotated[int, Field(gt=0)] | Literal["auto"]
     num_nodes: int = PositiveInt
     hostfile: str | None
     node_rank: int = Field(ge=0)

@@ -32,6 +32,40 @@ def check_precision(precision: str, accelerator: str) -> None:
         raise ValueError(f"train.precision: {precision} is not supported on {accelerator}; expected one of {usable}")
 
 
+def ranks_on_this_node(requested: int | str, accelerator: str) -> int:
+    """`launcher.ranks_per_node`: auto is one rank per visible GPU, 2 CPU ranks where there is none."""
+    if requested != "auto":
+        return int(requested)
+    if accelerator == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 2
+
+
+def training_precision(requested: str, accelerator: str) -> str:
+    """`train.precision`: auto is bf16 where the hardware computes it natively (CUDA, or a CPU with bf16 units),
+    fp32 otherwise; an explicit one must be one the accelerator can train in."""
+    from pipeline.precision import native_bf16
+
+    precision = requested if requested != "auto" else "bf16" if native_bf16(accelerator) else "fp32"
+    check_precision(precision, accelerator)
+    return precision
+
+
+def accumulation_steps(requested: int | str, *, global_batch: int, micro: int, world_size: int) -> int:
+    """`train.gradient_accumulation_steps`: auto is whatever makes micro x accumulation x world = the global batch."""
+    if requested != "auto":
+        check_batch(global_batch, micro=micro, accumulation=int(requested), world_size=world_size)
+        return int(requested)
+    if global_batch % (micro * world_size):
+        raise ValueError(
+            f"train.global_batch_size: {global_batch} is not a multiple of train.micro_batch_size ({micro}) x "
+            f"world size ({world_size}); expected a multiple of {micro * world_size}, or other ranks"
+        )
+    return global_batch // (micro * world_size)
+
+
 def check_batch(train_batch_size: int | None, *, micro: int, accumulation: int, world_size: int) -> int:
     """The global batch; a stated one must equal micro x accumulation x world size."""
     product = micro * accumulation * world_size
@@ -100,3 +134,12 @@ def build(
     if zero.offload_optimizer:
         del config["optimizer"]["params"]["torch_adam"]  # offload uses DeepSpeedCPUAdam
     return config
+
+
+def module_dtype(config: dict):
+    """The dtype a DeepSpeed config trains the module in (its fp32 master weights are the optimizer's)."""
+    import torch
+
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32

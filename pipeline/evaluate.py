@@ -95,8 +95,38 @@ def windows(example: Example, context: int, stride: int) -> list[tuple[list[int]
     return out
 
 
+LOGIT_BYTES = 1 << 26  # fp32 logits computed at a time when scoring (batch x positions x vocabulary x 4)
+# Config attributes of heads that do more than a linear map (their logits come from the model's own forward).
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """-log p of every position's label (0 where the label is -100), flattened in (row, position) order. The head
+    runs on `chunk` positions at a time (default: LOGIT_BYTES of fp32 logits), so that batch x window x vocabulary
+    logits never exist in fp32 at once."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = causal.get_output_embeddings()
+    if any(getattr(causal.config, name, None) for name in HEAD_EXTRAS) or head is None:
+        logits = model(input_ids=ids).logits.float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").reshape(-1)
+    hidden = causal.get_decoder()(input_ids=ids).last_hidden_state
+    chunk = chunk or max(1, LOGIT_BYTES // (4 * ids.shape[0] * head.weight.shape[0]))
+    parts = []
+    for start in range(0, ids.shape[1], chunk):
+        logits = head(hidden[:, start : start + chunk]).float().transpose(1, 2)
+        parts.append(torch.nn.functional.cross_entropy(logits, labels[:, start : start + chunk], reduction="none"))
+    return torch.cat(parts, dim=1).reshape(-1)
+
+
 def score(
-    model, examples: list[Example], *, context: int, stride: int, batch_size: int, desc: str | None = None
+    model,
+    examples: list[Example],
+    *,
+    context: int,
+    stride: int,
+    batch_size: int,
+    desc: str | None = None,
+    chunk: int | None = None,
 ) -> Score:
     """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`)."""
     from tqdm import tqdm
@@ -114,10 +144,8 @@ def score(
             for i, (window_ids, window_labels) in enumerate(batch):
                 ids[i, : len(window_ids)] = torch.tensor(window_ids)
                 labels[i, : len(window_labels)] = torch.tensor(window_labels)
-            logits = model(input_ids=ids.to(device)).logits.float()
-            targets = labels.to(device)
-            nll += float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="sum"))
-            tokens += int((targets != IGNORE_INDEX).sum())
+            nll += float(token_nll(model, ids.to(device), labels.to(device), chunk).sum())
+            tokens += int((labels != IGNORE_INDEX).sum())
             bar.update(len(batch))
     bar.close()
     return Score(nll, tokens, sum(e.nbytes for e in examples))
@@ -136,16 +164,19 @@ def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int)
     return texts
 
 
-def load_model(model_dir: Path, adapter_dir: Path | None):
-    """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), on the
-    GPU in bf16 where there is one that has it, else in fp32."""
+def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto"):
+    """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), in bf16
+    where the hardware computes it natively (`precision` auto; see pipeline/precision.py) else fp32, spread over
+    every visible GPU (accelerate's device_map="auto") where there are GPUs, else on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    from pipeline.precision import inference_dtype
+
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json; expected an HF model folder")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    cuda = torch.cuda.is_available()
+    dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto" if cuda else None)
     if adapter_dir is not None:
         from peft import PeftModel
         from safetensors import safe_open
@@ -157,7 +188,7 @@ def load_model(model_dir: Path, adapter_dir: Path | None):
         if rows and rows[0] != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(rows[0], mean_resizing=False)
         model = PeftModel.from_pretrained(model, str(adapter_dir))
-    return model.to(device).eval()
+    return model.eval()
 
 
 def check_vocabulary(tokenizer, model, where: str) -> None:

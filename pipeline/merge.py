@@ -20,13 +20,12 @@ from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
 from pipeline.checkpoints.adapter import PREFIX
-from pipeline.checkpoints.safetensors_stream import Stored, stored
+from pipeline.checkpoints.safetensors_stream import INDEX, Stored, model_tensors
 from pipeline.merge_verify import TOLERANCES, logits_gap
 from pipeline.precision import DTYPES, dtype_name
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 REPORT = "merge_report.json"
-INDEX = "model.safetensors.index.json"
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
@@ -55,18 +54,6 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
         if config.get(flag):
             raise ValueError(f"{adapter_dir / adapter_format.CONFIG}: {flag} is true; not supported by this merge")
     return config, tensors
-
-
-def base_tensors(base_dir: Path) -> dict[str, Stored]:
-    """Every base tensor, in shard order, from the safetensors headers only."""
-    index = base_dir / INDEX
-    if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-    elif (base_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{base_dir}: no model.safetensors or {INDEX}; expected an HF model folder")
-    return {name: tensor for shard in shards for name, tensor in stored(base_dir / shard).items()}
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -255,7 +242,7 @@ def merge(
         raise FileNotFoundError(f"{base_dir}: no such base model folder")
     max_bytes = parse_size(max_shard_size)
     config, adapter = read_adapter(adapter_dir)
-    base, base_config = base_tensors(base_dir), read_json(base_dir / "config.json")
+    base, base_config = model_tensors(base_dir), read_json(base_dir / "config.json")
     embed, head, tied = _embedding_names(base_dir, base_config, base)
     plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head)
     tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir

@@ -1,28 +1,138 @@
-"""The proof that a merged model computes what base + adapter computed: logits of both on fixed tokens."""
+"""The proof that a merged model computes what base + adapter computed: the logits of both on fixed tokens, each
+model run from its files one block at a time (a decoder layer, the embeddings, the head): memory stays at one block
+plus the activations, whatever the model's size. Base + adapter is PEFT's own unmerged computation (its LoRA layers
+around the base's), independent of the merge's arithmetic."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from pipeline.checkpoints import adapter as adapter_format
+from pipeline.checkpoints.safetensors_stream import Stored, model_tensors, stored
+
 TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
+Source = Callable[[], torch.Tensor]  # a parameter's value, read when its block runs
 
 
 def logits_gap(*, base_dir: Path, adapter_dir: Path, merged_dir: Path, rows: int, seed: int = 0) -> dict:
     """Base + adapter (through PEFT) against the merged model on fixed token sequences, both in fp32."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     ids = torch.randint(0, rows, (2, 48), generator=torch.Generator().manual_seed(seed))
-    with torch.inference_mode():
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        if base.get_input_embeddings().weight.shape[0] != rows:
-            base.resize_token_embeddings(rows, mean_resizing=False)
-        expected = PeftModel.from_pretrained(base, str(adapter_dir)).eval()(input_ids=ids).logits.float()
-        del base
-        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-        got = merged(input_ids=ids).logits.float()
+    expected = streamed_logits(base_dir, ids, rows=rows, adapter_dir=adapter_dir)
+    got = streamed_logits(merged_dir, ids, rows=rows)
     log_p, log_q = expected.log_softmax(-1), got.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     return {"max_abs_logit_diff": float((expected - got).abs().max()), "mean_kl": float(kl), "tokens": ids.numel()}
+
+
+def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_dir: Path | None = None) -> torch.Tensor:
+    """fp32 logits of the model in `model_dir` (with the PEFT adapter of `adapter_dir` applied, unmerged, when
+    given), its embeddings `rows` long; every parameter is read from the files just before the block that uses it
+    runs, and dropped right after."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers computed
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # outside the context, which would give the head a parameter of its own
+    if model.get_input_embeddings().weight.shape[0] != rows:
+        model.resize_token_embeddings(rows, mean_resizing=False)  # meta in, meta out
+    blocks = set(model._no_split_modules or ())
+    base = model_tensors(model_dir)
+    if adapter_dir is None:
+        sources = _sources(model, lambda name: base.get(name), str(model_dir))
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        adapter_format.read_config(adapter_dir / adapter_format.CONFIG)  # a LoRA adapter
+        model = get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)), autocast_adapter_dtype=False)
+        tensors = stored(adapter_dir / adapter_format.WEIGHTS)
+        sources = _sources(model, lambda name: _peft_tensor(name, base, tensors), f"{model_dir} + {adapter_dir}")
+    handles = _stream(model.eval(), sources, blocks)
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits.float()
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _peft_tensor(name: str, base: dict[str, Stored], adapter: dict[str, Stored]) -> Stored | None:
+    """The file tensor of a parameter of the PEFT-wrapped model: the adapter's (LoRA, modules_to_save) or the
+    base's (`base_layer`, `original_module`)."""
+    if ".lora_" in name or ".modules_to_save." in name:
+        return adapter.get(adapter_format.peft_key(name))
+    plain = name.removeprefix(adapter_format.PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
+    return base.get(plain)
+
+
+def _sources(model: torch.nn.Module, find: Callable[[str], Stored | None], where: str) -> dict[str, Source]:
+    """A reader for every parameter name (tied names share one), its value padded with zero rows when the files
+    hold fewer rows than the model (an embedding the adapter replaces)."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    found: dict[int, Stored] = {}
+    for name, param in named:
+        if (tensor := find(name)) is not None:
+            found.setdefault(id(param), tensor)
+    missing = [name for name, param in named if id(param) not in found]
+    if missing:
+        raise ValueError(f"{where}: no tensor in the files for {missing[:5]}")
+
+    def reader(tensor: Stored, shape: torch.Size) -> Source:
+        def read() -> torch.Tensor:
+            value = tensor.read().float()
+            if value.shape == shape:
+                return value
+            padded = torch.zeros(shape)
+            padded[: value.shape[0]] = value
+            return padded
+
+        return read
+
+    return {name: reader(found[id(param)], param.shape) for name, param in named}
+
+
+def _stream(model: torch.nn.Module, sources: dict[str, Source], blocks: set[str]) -> list:
+    """Hooks that give each block (a module of a class in `blocks`, else the module holding the parameter) its
+    parameters as its forward starts and take them back as it ends."""
+    modules = dict(model.named_modules())
+    owners: dict[str, list[tuple[torch.nn.Module, str, str]]] = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        parent, _, leaf = name.rpartition(".")
+        owner = parent
+        for prefix in _prefixes(parent):
+            if type(modules[prefix]).__name__ in blocks:
+                owner = prefix
+                break
+        owners.setdefault(owner, []).append((modules[parent], leaf, name))
+
+    def give(entries):
+        def hook(module, args):
+            for holder, leaf, name in entries:
+                holder._parameters[leaf] = torch.nn.Parameter(sources[name](), requires_grad=False)
+
+        return hook
+
+    def take(entries):
+        def hook(module, args, output):
+            for holder, leaf, _ in entries:
+                shape = holder._parameters[leaf].shape
+                holder._parameters[leaf] = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+        return hook
+
+    handles = []
+    for owner, entries in owners.items():
+        handles.append(modules[owner].register_forward_pre_hook(give(entries)))
+        handles.append(modules[owner].register_forward_hook(take(entries)))
+    return handles
+
+
+def _prefixes(name: str) -> list[str]:
+    """'a.b.c' -> ['a', 'a.b', 'a.b.c']: the outermost block wins."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

@@ -33,26 +33,6 @@ def meta_model(base_dir: Path) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
 
 
-def resize_embeddings(model, new_size: int, init: str) -> int:
-    """Resize input/output embeddings to `new_size` rows; new rows are the old rows' mean or N(0, init_range)."""
-    old = model.get_input_embeddings().weight.shape[0]
-    if new_size < old:
-        raise ValueError(f"tokenizer: {new_size} rows is fewer than the model's {old} embeddings")
-    if new_size == old:
-        return old
-    model.resize_token_embeddings(new_size, mean_resizing=False)
-    std = model.config.initializer_range
-    with torch.no_grad():
-        for weight in {
-            id(w): w for w in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-        }.values():
-            if init == "mean":
-                weight[old:] = weight[:old].mean(dim=0, keepdim=True)
-            else:
-                weight[old:].normal_(0.0, std)
-    return old
-
-
 @dataclass(frozen=True, kw_only=True)
 class LoraSpec:
     """The adapter to train (the `lora` config group)."""
@@ -66,29 +46,81 @@ class LoraSpec:
     init_new_embeddings: str = "mean"  # mean | normal: rows added by the resize
 
 
-def load_lora_model(
-    *, base_dir: Path, vocab_rows: int, lora: LoraSpec, seed: int, gradient_checkpointing: bool = False
-):
-    """Base model in fp32, resized to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def peft_config(lora: LoraSpec, model_config):
+    """PEFT's LoraConfig for `lora` on a model of `model_config`."""
+    from peft import LoraConfig
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    check_targets(model, lora.target_modules, lora.modules_to_save)
-    resize_embeddings(model, vocab_rows, lora.init_new_embeddings)
-    model.config.use_cache = False
-    config = LoraConfig(
+    return LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         use_rslora=lora.use_rslora,
         target_modules=list(lora.target_modules),  # PEFT edits the lists it is given
         modules_to_save=list(lora.modules_to_save) or None,
-        ensure_weight_tying=bool(model.config.tie_word_embeddings and lora.modules_to_save),
+        ensure_weight_tying=bool(model_config.tie_word_embeddings and lora.modules_to_save),
         task_type="CAUSAL_LM",
     )
+
+
+def lora_skeleton(*, base_dir: Path, vocab_rows: int, lora: LoraSpec, dtype: torch.dtype = torch.float32):
+    """The LoRA model without the base's weights: its trainable parameters zeros of their real shapes (a checkpoint
+    fills them), every frozen one a one-element placeholder (ties kept). Enough for an engine to partition and save
+    a checkpoint of any layout; the base is never read."""
+    from accelerate import init_empty_weights
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    config.vocab_size = vocab_rows
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.tie_weights()  # outside the context, which would give the head a parameter of its own
+    model = get_peft_model(model, peft_config(lora, config), autocast_adapter_dtype=False)
+    placed: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in placed:
+                shape = param.shape if param.requires_grad else (1,)
+                placed[id(param)] = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), param.requires_grad)
+            if param is not None:
+                module._parameters[name] = placed[id(param)]
+    return model
+
+
+def load_lora_model(
+    *,
+    base_dir: Path,
+    vocab_rows: int,
+    lora: LoraSpec,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    gradient_checkpointing: bool = False,
+    zero3_config: dict | None = None,
+):
+    """The base in the dtype it trains in (whole, or with `zero3_config` partitioned across the ranks as it is
+    built), its embeddings grown to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
+    from peft import get_peft_model
+
+    from pipeline import base_weights
+
+    if zero3_config is None:
+        model = base_weights.load_whole(
+            base_dir=base_dir, dtype=dtype, vocab_rows=vocab_rows, init=lora.init_new_embeddings, seed=seed
+        )
+    else:
+        model = base_weights.load_partitioned(
+            base_dir=base_dir,
+            dtype=dtype,
+            vocab_rows=vocab_rows,
+            init=lora.init_new_embeddings,
+            seed=seed,
+            zero3_config=zero3_config,
+        )
+    check_targets(model, lora.target_modules, lora.modules_to_save)
+    model.config.use_cache = False
     torch.manual_seed(seed)
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, peft_config(lora, model.config), autocast_adapter_dtype=False)  # one dtype
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -107,11 +107,22 @@ def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]
     return state
 
 
-def peak_memory_bytes(device) -> int:
-    """Peak memory of this rank: accelerator allocations on a GPU, resident set size on the CPU."""
+def per_rank(value: float, device) -> list[float]:
+    """`value` of every rank, in rank order (a collective)."""
+    import deepspeed.comm as dist
+
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(v) for v in every]
+
+
+def memory_peaks(device) -> dict[str, list[float]]:
+    """Each rank's peak resident host memory (MB) so far, and on a GPU its peak allocated GPU memory (a collective)."""
+    peaks = {"host": per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, device)}
     if str(device).startswith("cuda"):
-        return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peaks["gpu"] = per_rank(torch.cuda.max_memory_allocated(device) / 2**20, device)
+    return peaks
 
 
 def resume(*, engine, directory: Path, resume_from: Path | None, universal: Path | None, seed: int) -> dict | None:
@@ -145,14 +156,6 @@ class Reporting:
     describe: Callable[[dict], dict]
 
 
-def _max_over_ranks(value: float, device) -> float:
-    import deepspeed.comm as dist
-
-    tensor = torch.tensor(float(value), dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor)
-
-
 def train(
     *,
     engine,
@@ -176,11 +179,11 @@ def train(
     rank, world = dist.get_rank(), dist.get_world_size()
     micro, accumulation = schedule.micro_batch_size, schedule.accumulation
     global_size = micro * accumulation * world
-    history, start, tokens, train_seconds, wall_before, peak_before = History(), 0, 0.0, 0.0, 0.0, 0.0
+    history, start, tokens, train_seconds, wall_before, peaks_before = History(), 0, 0.0, 0.0, 0.0, {}
     if saved is not None:
         start, history = saved["step"], History(**saved["history"])
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
-        wall_before, peak_before = saved.get("wall_seconds", 0.0), saved.get("peak_memory_bytes", 0.0)
+        wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
     begin = time.perf_counter()
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     for step in range(start, schedule.max_steps):
@@ -213,7 +216,7 @@ def train(
         reporting.log({**record, "tokens_per_s": throughput}, step + 1)
         reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
         if (step + 1) % schedule.save_every == 0 or done:
-            peak = max(peak_before, _max_over_ranks(peak_memory_bytes(engine.device), engine.device))
+            peaks = _with_earlier(memory_peaks(engine.device), peaks_before)
             wall = wall_before + time.perf_counter() - begin
             state = {
                 **run_state,
@@ -222,10 +225,10 @@ def train(
                 "tokens_seen": tokens,
                 "train_seconds": train_seconds,
                 "wall_seconds": wall,
-                "peak_memory_bytes": peak,
+                "memory_peaks_mb": peaks,
             }
             if done:
-                figures = _summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peak)
+                figures = _summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
                 state["metrics"] = metrics = reporting.describe(figures)
             folder.save(
                 engine=engine,
@@ -236,17 +239,27 @@ def train(
                 keep_last=schedule.keep_last,
             )
     if start >= schedule.max_steps:  # a final checkpoint written before checkpoints kept their metrics
-        figures = _summary(history, start, start, tokens, train_seconds, None, None)
+        figures = _summary(history, start, start, tokens, train_seconds, None, {})
         metrics = {**reporting.describe(figures), "reused_checkpoint": folder.tag_for(start)}
     return {**metrics, "history": history.__dict__}
 
 
+def _with_earlier(peaks: dict[str, list[float]], earlier: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per-rank peaks over this segment and the earlier ones of the run (same world size), else this segment's."""
+    merged = {}
+    for kind, values in peaks.items():
+        before = earlier.get(kind, [])
+        same_world = len(before) == len(values)
+        merged[kind] = [max(a, b) for a, b in zip(values, before, strict=True)] if same_world else values
+    return merged
+
+
 def _summary(
-    history: History, steps: int, start: int, tokens: float, seconds: float, wall: float | None, peak: float | None
+    history: History, steps: int, start: int, tokens: float, seconds: float, wall: float | None, peaks: dict
 ) -> dict:
     """The loop's figures (None where unknown)."""
     validation = history.validation[-1] if history.validation else {}
-    return {
+    figures = {
         "steps": steps,
         "resumed_from_step": start,
         "final_train_loss": history.train[-1]["loss"] if history.train else None,
@@ -255,8 +268,12 @@ def _summary(
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "train_seconds": seconds,
         "wall_seconds": wall,
-        "peak_memory_mb": None if peak is None else peak / 2**20,
+        "peak_memory_mb": max(peaks["host"]) if "host" in peaks else None,
+        "peak_memory_mb_per_rank": peaks.get("host"),
     }
+    if "gpu" in peaks:
+        figures.update(peak_gpu_memory_mb=max(peaks["gpu"]), peak_gpu_memory_mb_per_rank=peaks["gpu"])
+    return figures
 
 
 def lr_scheduler_factory(schedule: Schedule) -> Callable:

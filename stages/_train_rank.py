@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import resource
 from pathlib import Path
 
 from pipeline import config
@@ -10,24 +11,28 @@ from stages._common import run
 
 
 def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
-    """The LoRA model inside a DeepSpeed engine, as the stage's ds_config.json describes it; and its schedule."""
+    """The LoRA model inside a DeepSpeed engine, as the stage's ds_config.json describes it (the base loaded in the
+    dtype the engine trains in; under ZeRO-3 each rank builds and loads only its partition); and its schedule."""
     import deepspeed
 
+    from pipeline import ds_config as dsc
     from pipeline import trainer
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
 
-    t = cfg.train
+    t, ds_config = cfg.train, read_json(args.checkpoints / "ds_config.json")
     model = load_lora_model(
         base_dir=args.base,
         vocab_rows=run_state["identity"]["vocab_rows"],
         lora=LoraSpec(**cfg.lora.model_dump()),
         seed=t.seed,
-        gradient_checkpointing=t.gradient_checkpointing,
+        dtype=dsc.module_dtype(ds_config),
+        gradient_checkpointing=run_state["launch"]["gradient_checkpointing"],
+        zero3_config=ds_config if ds_config["zero_optimization"]["stage"] == 3 else None,
     )
     schedule = trainer.Schedule(
         micro_batch_size=t.micro_batch_size,
-        accumulation=t.gradient_accumulation_steps,
+        accumulation=ds_config["gradient_accumulation_steps"],
         max_steps=t.max_steps,
         warmup_steps=t.warmup_steps,
         lr_scheduler=t.lr_scheduler,
@@ -40,13 +45,13 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, t.weight_decay),
-        config=read_json(args.checkpoints / "ds_config.json"),
+        config=ds_config,
         lr_scheduler=trainer.lr_scheduler_factory(schedule),
     )
     return engine, schedule
 
 
-def reporting(args: argparse.Namespace, cfg: config.Config, engine, block: int):
+def reporting(args: argparse.Namespace, cfg: config.Config, engine, *, block: int, launch: dict, load: dict):
     """How this rank reports (rank 0 logs to the pipeline's MLflow run and draws the progress bar; the others stay
     silent), and the call that writes the metrics and the curve at the end (rank 0)."""
     import deepspeed.comm as dist
@@ -88,13 +93,13 @@ def reporting(args: argparse.Namespace, cfg: config.Config, engine, block: int):
             device=engine.device,
         )
         return {
-            **{k: round(v, 6) if isinstance(v, float) else v for k, v in summary.items()},
-            "peak_memory_mb": None if summary["peak_memory_mb"] is None else round(summary["peak_memory_mb"], 1),
+            **{k: _rounded(v) for k, v in summary.items()},
+            **load,
             "trainable_parameters": trainable,
             "total_parameters": total,
             "world_size": world,
             "zero_stage": cfg.deepspeed.stage,
-            "precision": cfg.train.precision,
+            "precision": launch["precision"],
             "mfu": mfu,
         }
 
@@ -109,6 +114,33 @@ def reporting(args: argparse.Namespace, cfg: config.Config, engine, block: int):
         print(f"train: {json.dumps(metrics)}", flush=True)
 
     return trainer.Reporting(log=log, progress=progress, describe=describe), finish
+
+
+def _rounded(value):
+    """Figures as the metrics file shows them: 6 decimals, memory lists to 0.1 MB."""
+    if isinstance(value, float):
+        return round(value, 6)
+    return [round(v, 1) for v in value] if isinstance(value, list) else value
+
+
+def load_figures(engine, loading: dict[str, float]) -> dict:
+    """What loading the model cost each rank (host MB before and at the end of the load), and under ZeRO-3 how many
+    of the parameters DeepSpeed does not keep whole (`ds_persist`: the small ones) are partitioned, a rank holding
+    at most its ceil(n / world) elements of each: all of them."""
+    import math
+
+    import deepspeed.comm as dist
+
+    from pipeline.trainer import per_rank
+
+    figures = {f"load_{k}_mb_per_rank": [round(v, 1) for v in per_rank(x, engine.device)] for k, x in loading.items()}
+    params = list(engine.module.parameters())
+    if all(hasattr(p, "ds_numel") for p in params):
+        world = dist.get_world_size()
+        large = [p for p in params if not p.ds_persist]
+        held = sum(p.numel() == 0 and p.ds_tensor.numel() <= math.ceil(p.ds_numel / world) for p in large)
+        figures.update(zero3_partitioned_parameters=held, zero3_large_parameters=len(large))
+    return figures
 
 
 def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
@@ -129,6 +161,8 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     import deepspeed
+    import peft  # noqa: F401  (imported before the load is measured)
+    import transformers  # noqa: F401
     from datasets import load_from_disk
 
     from pipeline import trainer
@@ -137,9 +171,12 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
 
     deepspeed.init_distributed()
     run_state = read_json(args.checkpoints / "run.json")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, schedule = build_engine(args, cfg, run_state)
+    loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     data = load_from_disk(str(args.dataset)).with_format("numpy")
-    report, finish = reporting(args, cfg, engine, block=len(data["train"][0]["input_ids"]))
+    block, launch = len(data["train"][0]["input_ids"]), run_state["launch"]
+    report, finish = reporting(args, cfg, engine, block=block, launch=launch, load=load_figures(engine, loading))
     saved = trainer.resume(
         engine=engine,
         directory=args.checkpoints,

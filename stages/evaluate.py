@@ -39,7 +39,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             )
             for s, p in e.sets.items()
         }
-        model = ev.load_model(folder, adapter)
+        model = ev.load_model(folder, adapter, precision=e.precision)
         ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
         for set_name, examples in sets.items():
             scored = ev.score(

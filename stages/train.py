@@ -23,7 +23,7 @@ from stages._common import run
 # and accumulation steps (a resume under another world size re-splits it).
 UNTRACKED_TRAIN_KEYS = (
     "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
-    "gradient_accumulation_steps",
+    "gradient_accumulation_steps", "gradient_checkpointing",
 )  # fmt: skip
 FORWARDED = ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state")
 
@@ -41,7 +41,27 @@ def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
     return base_rows
 
 
-def run_state(args: argparse.Namespace, cfg: config.Config, world: int) -> dict:
+def resolve(cfg: config.Config) -> dict:
+    """The `auto` settings made concrete for this machine: accelerator, ranks, precision, accumulation, activation
+    checkpointing (the ranks read them from run.json)."""
+    t, launcher = cfg.train, cfg.launcher
+    accelerator = dsc.accelerator_name(launcher.accelerator)
+    ranks = dsc.ranks_on_this_node(launcher.ranks_per_node, accelerator)
+    world = ranks * launcher.num_nodes
+    checkpointing = t.gradient_checkpointing
+    return {
+        "accelerator": accelerator,
+        "ranks_per_node": ranks,
+        "world_size": world,
+        "precision": dsc.training_precision(t.precision, accelerator),
+        "gradient_accumulation_steps": dsc.accumulation_steps(
+            t.gradient_accumulation_steps, global_batch=t.global_batch_size, micro=t.micro_batch_size, world_size=world
+        ),
+        "gradient_checkpointing": accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+    }
+
+
+def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dict:
     """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
     lora, t = cfg.lora, cfg.train
     check_targets(meta_model(args.base), lora.target_modules, lora.modules_to_save)
@@ -59,9 +79,10 @@ def run_state(args: argparse.Namespace, cfg: config.Config, world: int) -> dict:
         "target_modules": sorted(lora.target_modules),
         "modules_to_save": sorted(lora.modules_to_save),
     }
+    trajectory = {**t.model_dump(), "precision": launch["precision"]}
     settings = {
         "lora": lora.model_dump(),
-        "train": {k: v for k, v in t.model_dump().items() if k not in UNTRACKED_TRAIN_KEYS},
+        "train": {k: v for k, v in trajectory.items() if k not in UNTRACKED_TRAIN_KEYS},
     }
     inputs = {
         name: folder.file_digest([path]) for name, path in (("tokenizer", args.tokenizer), ("dataset", args.dataset))
@@ -69,8 +90,9 @@ def run_state(args: argparse.Namespace, cfg: config.Config, world: int) -> dict:
     return {
         "fingerprint": folder.fingerprint({**inputs, **identity}, settings),
         "identity": identity,
-        "world_size": world,
+        "world_size": launch["world_size"],
         "zero_stage": cfg.deepspeed.stage,
+        "launch": launch,
     }
 
 
@@ -133,9 +155,9 @@ def prepare_checkpoints(*, directory: Path, state: dict, resume_from: Path | Non
     return out
 
 
-def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> list[str]:
+def launch_command(launcher: config.LauncherConfig, ranks: int, worker_args: list[str]) -> list[str]:
     command = [
-        "deepspeed", "--num_gpus", str(launcher.ranks_per_node), "--num_nodes", str(launcher.num_nodes),
+        "deepspeed", "--num_gpus", str(ranks), "--num_nodes", str(launcher.num_nodes),
         "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port or free_port()),
     ]  # fmt: skip
     if launcher.num_nodes > 1:
@@ -143,7 +165,7 @@ def launch_command(launcher: config.LauncherConfig, worker_args: list[str]) -> l
     return command + ["--module", "stages._train_rank", *worker_args]
 
 
-def launch(args: argparse.Namespace, cfg: config.Config, accelerator: str, universal: Path | None) -> None:
+def launch(args: argparse.Namespace, cfg: config.Config, resolved: dict, universal: Path | None) -> None:
     """Start this node's ranks and wait for them."""
     worker_args = ["--params", args.params]
     for name in FORWARDED:
@@ -154,14 +176,15 @@ def launch(args: argparse.Namespace, cfg: config.Config, accelerator: str, unive
             worker_args += [flag, str(value)]
     if args.loaded_state is not None:
         worker_args += ["--loaded-state", str(args.loaded_state)]
-    env = {**with_venv_path(), "DS_ACCELERATOR": accelerator}
-    if accelerator == "cpu":  # one thread per core and rank: the default (all cores per rank) oversubscribes
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.launcher.ranks_per_node)))
+    ranks = resolved["ranks_per_node"]
+    env = {**with_venv_path(), "DS_ACCELERATOR": resolved["accelerator"]}
+    if resolved["accelerator"] == "cpu":  # one thread per core and rank: all cores per rank oversubscribes them
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
         # A fixed mmap threshold: glibc otherwise raises it as tensors are freed, keeps activation-sized blocks in
         # its heap and never returns them (bench.train: peak RSS per rank 3.93 GB -> 3.05 GB).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     remove_stale_shm_buffers()
-    done = subprocess.run(launch_command(cfg.launcher, worker_args), env=env)
+    done = subprocess.run(launch_command(cfg.launcher, ranks, worker_args), env=env)
     remove_stale_shm_buffers()
     if done.returncode != 0:
         print(
@@ -172,22 +195,20 @@ def launch(args: argparse.Namespace, cfg: config.Config, accelerator: str, unive
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    t, ds, launcher = cfg.train, cfg.deepspeed, cfg.launcher
-    accelerator = dsc.accelerator_name(launcher.accelerator)
-    dsc.check_precision(t.precision, accelerator)
-    world = launcher.ranks_per_node * launcher.num_nodes
+    t = cfg.train
+    resolved = resolve(cfg)
     ds_config = dsc.build(
-        zero=dsc.ZeroSettings(**ds.model_dump()),
-        precision=t.precision,
+        zero=dsc.ZeroSettings(**cfg.deepspeed.model_dump()),
+        precision=resolved["precision"],
         micro=t.micro_batch_size,
-        accumulation=t.gradient_accumulation_steps,
-        world_size=world,
+        accumulation=resolved["gradient_accumulation_steps"],
+        world_size=resolved["world_size"],
         lr=t.lr,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         global_batch=t.global_batch_size,
     )
-    state = run_state(args, cfg, world)
+    state = run_state(args, cfg, resolved)
     if (saved := finished(args.checkpoints, state)) and args.final_state is None and args.loaded_state is None:
         tag = folder.tag_for(saved["step"])
         print(f"train: {args.checkpoints / tag} is this run's final checkpoint; its figures are reported")
@@ -203,8 +224,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     write_json(args.checkpoints / "run.json", {**state, "pad_token_id": pad or 0})
     write_json(args.checkpoints / "ds_config.json", ds_config)
-    launch(args, cfg, accelerator, universal)
-    return read_json(args.metrics) if launcher.node_rank == 0 else {}  # global rank 0 runs on node 0
+    print(f"train: {resolved}")
+    launch(args, cfg, resolved, universal)
+    return read_json(args.metrics) if cfg.launcher.node_rank == 0 else {}  # global rank 0 runs on node 0
 
 
 if __name__ == "__main__":

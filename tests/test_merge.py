@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline.atomic import read_json
-from pipeline.merge import INDEX, REPORT, merge
+from pipeline.checkpoints.safetensors_stream import INDEX
+from pipeline.merge import REPORT, merge
 from tests.conftest import REPO
 
 ROWS = 49216  # the tiny base's 49,152 rows after a vocabulary extension
@@ -232,3 +233,55 @@ def test_bf16_output_passes_its_own_tolerance(fitted, tmp_path):
     report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged", dtype="bf16")
     assert {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()} == {torch.bfloat16}
     assert 0 < report["verification"]["max_abs_logit_diff"] <= report["verification"]["limit_abs"]
+
+
+def test_streamed_verification_equals_whole_models(fitted, tmp_path):
+    """The proof reads each model block by block from its files: it gives exactly the logits of base + adapter and
+    of the merged model loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.merge_verify import streamed_logits
+
+    base, adapter = fitted
+    merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged", verify=False)
+    ids = torch.randint(0, ROWS, (2, 40), generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(
+        streamed_logits(base, ids, rows=ROWS, adapter_dir=adapter), _peft_logits(base, adapter, ids), rtol=0, atol=0
+    )
+    with torch.inference_mode():
+        whole = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
+    torch.testing.assert_close(streamed_logits(tmp_path / "merged", ids, rows=ROWS), whole, rtol=0, atol=0)
+
+
+PEAK = """
+import resource, sys, torch
+from pathlib import Path
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+from pipeline.merge_verify import streamed_logits
+with init_empty_weights():
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))  # imports done, nothing held
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+streamed_logits(Path(sys.argv[1]), torch.zeros(1, 8, dtype=torch.long), rows=int(sys.argv[2]))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_streamed_verification_holds_one_block_at_a_time(tmp_path):
+    """On a model of 12 layers of 16 MB each (fp32), the proof's memory grows by about one layer, not the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=1024, intermediate_size=1024, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=8, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "model")
+    size = sum(p.numel() * 4 for p in model.parameters())
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, str(tmp_path / "model"), "512"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    grown = int(done.stdout.split()[-1])
+    assert grown < 3 * layer < size / 3, (grown, layer, size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -191,3 +192,49 @@ def test_a_finished_run_rerun_reports_the_figures_of_the_run_that_trained_it(
     trained, reported = read_json(two_ranks_zero2 / "metrics.json"), read_json(tmp_path / "metrics.json")
     assert reported == {**trained, "reused_checkpoint": "step_000006"}
     assert (tmp_path / "curve.csv").read_text() == (two_ranks_zero2 / "curve.csv").read_text()
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, tiny_base_dir, peoples_daily) -> tuple[Path, Path, int]:
+    """A random LLaMA of 132 M parameters (530 MB in fp32: far more than the runtime), the base tokenizer, and
+    packed 64-token blocks: (base, inputs, the model's bytes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.dataset import build_pretraining, save_splits
+    from pipeline.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("wide")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=768, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=12,
+        num_key_value_heads=12, tie_word_embeddings=False, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root / "base")
+    size = sum(p.numel() * 4 for p in model.parameters())
+    del model
+    tokenizer = load_tokenizer(tiny_base_dir)
+    tokenizer.save_pretrained(root / "inputs" / "tokenizer")
+    (root / "inputs" / "tokenizer" / META).write_text(json.dumps({"vocab_size": 49152, "padded_vocab_size": 49152}))
+    tables, _ = build_pretraining(
+        tokenizer, peoples_daily[:200], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
+    save_splits(root / "inputs" / "dataset", tables)
+    return root / "base", root / "inputs", size
+
+
+def test_zero3_ranks_never_hold_the_whole_model(tmp_path, wide_model):
+    """Under ZeRO-3 each rank builds the model partitioned and reads only its slice of every tensor: right after
+    loading, every large parameter is partitioned, and what loading added to a rank's memory is about half the
+    model (2 ranks), well below the whole model the old path loaded into every rank."""
+    base, inputs, size = wide_model
+    small = [
+        "train.max_steps=1", "train.warmup_steps=0", "train.save_every=1", "train.eval_every=1",
+        "train.eval_max_rows=2", "lora.modules_to_save=[]",
+    ]  # fmt: skip
+    train(inputs, base, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3", *small])
+    metrics = read_json(tmp_path / "metrics.json")
+    assert metrics["zero3_partitioned_parameters"] == metrics["zero3_large_parameters"] >= 6 * 7 + 2
+    added = [(peak - before) * 2**20 for peak, before in zip(
+        metrics["load_peak_mb_per_rank"], metrics["load_before_mb_per_rank"], strict=True)]  # fmt: skip
+    assert all(0 < mb < 0.7 * size for mb in added), (added, size)

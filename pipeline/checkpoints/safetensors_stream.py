@@ -94,6 +94,17 @@ class Stored:
                 raise ValueError(f"{self.path}: truncated: tensor {self.name} ends past the end of the file")
         return tensor
 
+    def read_flat(self, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of the flattened tensor, read alone (a rank's slice of a parameter)."""
+        entry = self.header[self.name]
+        tensor = torch.empty(count, dtype=DTYPES[entry["dtype"]])
+        size = tensor.element_size()
+        with open(self.path, "rb") as f:
+            f.seek(self.start + entry["data_offsets"][0] + start * size)
+            if f.readinto(raw_bytes(tensor)) != count * size:
+                raise ValueError(f"{self.path}: truncated: tensor {self.name} ends past the end of the file")
+        return tensor
+
     def digest(self) -> str:
         """sha256 of the tensor's bytes, read in chunks."""
         begin, end = self.header[self.name]["data_offsets"]
@@ -109,3 +120,18 @@ def stored(path: Path) -> dict[str, Stored]:
     """Every tensor of a safetensors file, nothing read yet."""
     header, start = read_header(path)
     return {name: Stored(path, name, header, start) for name in header}
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def model_tensors(base_dir: Path) -> dict[str, Stored]:
+    """Every tensor of an HF model folder, in shard order, from the safetensors headers only."""
+    index = base_dir / INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (base_dir / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{base_dir}: no model.safetensors or {INDEX}; expected an HF model folder")
+    return {name: tensor for shard in shards for name, tensor in stored(base_dir / shard).items()}

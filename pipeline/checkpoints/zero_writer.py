@@ -1,8 +1,9 @@
 """A universal checkpoint -> a checkpoint folder of `world_size` ranks under ZeRO 1-3, which a run of that layout
 resumes as its own (`python -m pipeline convert UNIVERSAL OUT --to zero`). DeepSpeed partitions a checkpoint only
-inside an engine, so that many CPU ranks each build the engine a run of the target layout builds (the LoRA model
-from the base and the checkpoint's adapter config, the source run's optimizer settings), place the universal
-checkpoint into it, and save it as a regular checkpoint of that layout (no optimizer step is taken)."""
+inside an engine, so that many CPU ranks each build the engine a run of the target layout builds (the LoRA model's
+skeleton from the base's config and the checkpoint's adapter config: the frozen base weights are not in a
+checkpoint and are never read; the source run's optimizer settings), place the universal checkpoint into it, and
+save it as a regular checkpoint of that layout (no optimizer step is taken)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from pipeline.processes import free_port, leave_process_group, remove_stale_shm_
 def to_zero(
     *, universal: Path, out_dir: Path, base: Path, world_size: int, zero_stage: int, port: int | None = None
 ) -> None:
-    """Write `out_dir` (`latest` + tag) from `universal` through `world_size` CPU ranks under ZeRO-`zero_stage`.
-    Every rank loads the base model."""
+    """Write `out_dir` (`latest` + tag) from `universal` through `world_size` CPU ranks under ZeRO-`zero_stage`;
+    each holds the trainable parameters, never the base's weights."""
     if not is_universal(universal):
         raise FileNotFoundError(f"{universal}: not a complete universal checkpoint ({MANIFEST} or zero/ missing)")
     refuse_existing(out_dir)
@@ -76,7 +77,7 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
     import deepspeed
     import deepspeed.comm as dist
 
-    from pipeline.model import LoraSpec, load_lora_model, parameter_groups
+    from pipeline.model import LoraSpec, lora_skeleton, parameter_groups
 
     deepspeed.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -92,11 +93,12 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
         target_modules=identity["target_modules"],
         modules_to_save=identity["modules_to_save"],
     )
-    model = load_lora_model(base_dir=base, vocab_rows=identity["vocab_rows"], lora=lora, seed=0)
+    config = engine_config(source, stage, world)
+    model = lora_skeleton(base_dir=base, vocab_rows=identity["vocab_rows"], lora=lora, dtype=dsc.module_dtype(config))
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, source["optimizer"]["params"]["weight_decay"]),
-        config=engine_config(source, stage, world),
+        config=config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
     )
     load_universal(engine, universal)

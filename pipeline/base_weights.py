@@ -1,0 +1,128 @@
+"""The base model's weights for training, never more than a rank needs: loaded whole in the training dtype (ZeRO
+0-2 keep the whole model on every rank), or built inside DeepSpeed's partitioned initialisation with each rank
+reading only its own ZeRO-3 slice of every tensor from the safetensors shards, so that no rank ever holds a whole
+parameter. Rows a grown vocabulary adds are the mean of the old rows (or seeded normal noise): the same values
+on either path, whatever the world size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoints.safetensors_stream import Stored, model_tensors
+
+ROW_BLOCK = 1024  # rows read, or drawn, at a time
+Rows = Callable[[int, int], torch.Tensor]  # rows [a, b) of an embedding past the base's, in fp32
+
+
+def added_rows(source: Stored, *, init: str, seed: int, std: float) -> Rows:
+    """The values of the rows past `source`'s: the mean of its rows (accumulated in fp64, a block at a time), or
+    N(0, std) drawn per block of ROW_BLOCK rows from a generator seeded by (seed, block)."""
+    old, hidden = source.shape
+    mean: list[torch.Tensor] = []
+
+    def mean_row() -> torch.Tensor:
+        if not mean:
+            total = torch.zeros(hidden, dtype=torch.float64)
+            for first in range(0, old, ROW_BLOCK):
+                count = min(ROW_BLOCK, old - first)
+                total += source.read_flat(first * hidden, count * hidden).view(count, hidden).double().sum(0)
+            mean.append((total / old).float())
+        return mean[0]
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        if init == "mean":
+            return mean_row().expand(b - a, hidden)
+        blocks = []
+        for block in range((a - old) // ROW_BLOCK, (b - old - 1) // ROW_BLOCK + 1):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + block)
+            blocks.append(torch.randn(ROW_BLOCK, hidden, generator=generator) * std)
+        first = old + (a - old) // ROW_BLOCK * ROW_BLOCK
+        return torch.cat(blocks)[a - first : b - first]
+
+    return rows
+
+
+def read_flat(source: Stored, grown: Rows | None, start: int, count: int) -> torch.Tensor:
+    """Elements [start, start + count) of a parameter flattened, in fp32: the file's, then the added rows'."""
+    hidden = 1 if len(source.shape) == 1 else source.shape[1]
+    stored = source.shape[0] * hidden
+    end, parts = start + count, []
+    if start < stored:
+        parts.append(source.read_flat(start, min(end, stored) - start).float())
+    if end > stored and grown is not None:
+        a, b = max(start, stored), end
+        block = grown(a // hidden, -(-b // hidden)).reshape(-1)
+        parts.append(block[a - a // hidden * hidden : b - a // hidden * hidden])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _sources(model: torch.nn.Module, tensors: dict[str, Stored], folder: Path) -> dict[str, Stored]:
+    """The file tensor of every parameter (tied ones once, under their first name)."""
+    missing = [name for name, _ in model.named_parameters() if name not in tensors]
+    if missing:
+        raise ValueError(f"{folder}: no tensor for {missing[:5]} in the safetensors shards; expected an HF model")
+    return {name: tensors[name] for name, _ in model.named_parameters()}
+
+
+def _embedding_names(model: torch.nn.Module) -> set[str]:
+    weights = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    return {name for name, param in model.named_parameters() if id(param) in weights}
+
+
+def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int) -> torch.nn.Module:
+    """The base in `dtype`, its embeddings grown to `vocab_rows` rows."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    old = model.get_input_embeddings().weight.shape[0]
+    if vocab_rows < old:
+        raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
+    if vocab_rows == old:
+        return model
+    model.resize_token_embeddings(vocab_rows, mean_resizing=False)
+    sources = _sources(model, model_tensors(base_dir), base_dir)
+    std = model.config.initializer_range
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in _embedding_names(model):
+            grown = added_rows(sources[name], init=init, seed=seed, std=std)
+            params[name][old:] = grown(old, vocab_rows).to(dtype)
+    return model
+
+
+def load_partitioned(
+    *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, zero3_config: dict
+) -> torch.nn.Module:
+    """The base built under deepspeed.zero.Init (nothing initialised, nothing whole), each rank filling its own
+    partition of every parameter from the files; embeddings have `vocab_rows` rows from the start."""
+    import deepspeed
+    import deepspeed.comm as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(base_dir)
+    old = config.vocab_size
+    if vocab_rows < old:
+        raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
+    config.vocab_size = vocab_rows
+    with deepspeed.zero.Init(config_dict_or_path=zero3_config, dtype=dtype), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    sources = _sources(model, model_tensors(base_dir), base_dir)
+    embeddings = _embedding_names(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            grown = None
+            if name in embeddings:
+                grown = added_rows(sources[name], init=init, seed=seed, std=config.initializer_range)
+            part = param.ds_tensor
+            start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
+            count = max(0, min(part.ds_numel, param.ds_numel - start))
+            part.data.zero_()  # the padding of the last partition
+            if count:
+                part.data[:count].copy_(read_flat(sources[name], grown, start, count).to(part.dtype))
+    return model
