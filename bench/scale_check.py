@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import torch
 from bench.common import run_measured
 from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import safetensors_stream
+from pipeline.processes import with_venv_path
 from tools.repro_check import copy_project, sh
 
 SHAPE = {  # Llama-3.2-3B
@@ -46,7 +48,7 @@ def write_random_llama(out: Path, tokenizer_dir: Path, seed: int = 0) -> int:
     """The model of SHAPE with N(0, 0.02) weights (norms 1), bf16, one tensor in memory at a time; its parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPE, torch_dtype="bfloat16")
+    config = LlamaConfig(**SHAPE, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
     out.mkdir(parents=True)
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "scale-check")
     args = parser.parse_args(argv)
+    os.environ.update(with_venv_path())  # the stage commands call `python`, `deepspeed`
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     base = work / "llama_3b_random"
