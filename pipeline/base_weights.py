@@ -14,6 +14,7 @@ import torch
 from pipeline.checkpoints.safetensors_stream import Stored, model_tensors
 
 ROW_BLOCK = 1024  # rows read, or drawn, at a time
+COPY_ELEMENTS = 1 << 24  # elements read and copied at a time into a partition
 Rows = Callable[[int, int], torch.Tensor]  # rows [a, b) of an embedding past the base's, in fp32
 
 
@@ -45,18 +46,23 @@ def added_rows(source: Stored, *, init: str, seed: int, std: float) -> Rows:
     return rows
 
 
-def read_flat(source: Stored, grown: Rows | None, start: int, count: int) -> torch.Tensor:
-    """Elements [start, start + count) of a parameter flattened, in fp32: the file's, then the added rows'."""
+def fill_flat(out: torch.Tensor, source: Stored, grown: Rows | None, start: int) -> None:
+    """Fill `out` with elements [start, start + len(out)) of a parameter flattened: the file's, then the added rows',
+    cast as copied, COPY_ELEMENTS at a time (memory: one block, whatever the tensor)."""
     hidden = 1 if len(source.shape) == 1 else source.shape[1]
     stored = source.shape[0] * hidden
-    end, parts = start + count, []
-    if start < stored:
-        parts.append(source.read_flat(start, min(end, stored) - start).float())
-    if end > stored and grown is not None:
-        a, b = max(start, stored), end
-        block = grown(a // hidden, -(-b // hidden)).reshape(-1)
-        parts.append(block[a - a // hidden * hidden : b - a // hidden * hidden])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    for offset in range(0, out.numel(), COPY_ELEMENTS):
+        a = start + offset
+        b = min(a + COPY_ELEMENTS, start + out.numel())
+        target = out[offset : offset + b - a]
+        if b <= stored:
+            target.copy_(source.read_flat(a, b - a))
+            continue
+        if a < stored:
+            target[: stored - a].copy_(source.read_flat(a, stored - a))
+        first = max(a, stored)
+        block = grown(first // hidden, -(-b // hidden)).reshape(-1)
+        target[first - a :].copy_(block[first - first // hidden * hidden : b - first // hidden * hidden])
 
 
 def _sources(model: torch.nn.Module, tensors: dict[str, Stored], folder: Path) -> dict[str, Stored]:
@@ -93,12 +99,24 @@ def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str
     return model
 
 
+def _partition_only():
+    """deepspeed.zero.Init without its broadcast of every new parameter from rank 0 (which makes each other rank
+    hold the whole parameter, and sends the whole model, only for the values to be overwritten from the files)."""
+    import deepspeed
+
+    class PartitionOnly(deepspeed.zero.Init):
+        def _zero_init_param(self, param):  # DeepSpeed 0.19: convert, broadcast, partition
+            self._convert_to_deepspeed_param(param)
+            param.partition()
+
+    return PartitionOnly
+
+
 def load_partitioned(
     *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, zero3_config: dict
 ) -> torch.nn.Module:
     """The base built under deepspeed.zero.Init (nothing initialised, nothing whole), each rank filling its own
     partition of every parameter from the files; embeddings have `vocab_rows` rows from the start."""
-    import deepspeed
     import deepspeed.comm as dist
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
@@ -108,7 +126,7 @@ def load_partitioned(
     if vocab_rows < old:
         raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
     config.vocab_size = vocab_rows
-    with deepspeed.zero.Init(config_dict_or_path=zero3_config, dtype=dtype), no_init_weights():
+    with _partition_only()(config_dict_or_path=zero3_config, dtype=dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if config.tie_word_embeddings:
         model.tie_weights()
@@ -116,6 +134,9 @@ def load_partitioned(
     embeddings = _embedding_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            shape, file_shape = tuple(param.ds_shape), tuple(sources[name].shape)
+            if file_shape != shape and not (name in embeddings and file_shape[1:] == shape[1:]):
+                raise ValueError(f"{base_dir}: {name} is {list(file_shape)} in the files, the model's is {list(shape)}")
             grown = None
             if name in embeddings:
                 grown = added_rows(sources[name], init=init, seed=seed, std=config.initializer_range)
@@ -124,5 +145,5 @@ def load_partitioned(
             count = max(0, min(part.ds_numel, param.ds_numel - start))
             part.data.zero_()  # the padding of the last partition
             if count:
-                part.data[:count].copy_(read_flat(sources[name], grown, start, count).to(part.dtype))
+                fill_flat(part.data[:count], sources[name], grown, start)
     return model

@@ -207,6 +207,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         global_batch=t.global_batch_size,
+        lean_gathers=resolved["accelerator"] == "cpu",
     )
     state = run_state(args, cfg, resolved)
     if (saved := finished(args.checkpoints, state)) and args.final_state is None and args.loaded_state is None:
