@@ -7,6 +7,7 @@ harness's disjoint windows). Bits per byte = total NLL / (ln 2 x UTF-8 bytes): c
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,17 +179,32 @@ def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "a
     dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto" if cuda else None)
     if adapter_dir is not None:
-        from peft import PeftModel
-        from safetensors import safe_open
-
-        if not (adapter_dir / adapter.CONFIG).is_file():
-            raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
-        with safe_open(adapter_dir / adapter.WEIGHTS, "pt") as f:
-            rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
-        if rows and rows[0] != model.get_input_embeddings().weight.shape[0]:
-            model.resize_token_embeddings(rows[0], mean_resizing=False)
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        model = with_adapter(model, adapter_dir)
     return model.eval()
+
+
+def with_adapter(model, adapter_dir: Path):
+    """`model` with the PEFT adapter of `adapter_dir` applied (its embeddings resized to the adapter's first). PEFT's
+    loader reads the adapter as it is when its names are the ones PEFT saves; otherwise (no `base_model.model.`
+    prefix, adapter names left in) from a copy under those names in a temporary folder."""
+    import tempfile
+
+    from peft import PeftModel
+
+    from pipeline.checkpoints.safetensors_stream import write
+
+    config, tensors = adapter.read(adapter_dir)
+    modules = {id(m): n for n, m in model.named_modules()}
+    embed = f"{adapter.PREFIX}{modules[id(model.get_input_embeddings())]}.weight"
+    if embed in tensors and tensors[embed].shape[0] != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(tensors[embed].shape[0], mean_resizing=False)
+    if adapter.is_canonical(adapter_dir):
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+    with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
+        entries = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+        write(Path(tmp) / adapter.WEIGHTS, entries, lambda key: tensors[key].read().contiguous())
+        (Path(tmp) / adapter.CONFIG).write_text(json.dumps(config), encoding="utf-8")
+        return PeftModel.from_pretrained(model, tmp)
 
 
 def check_vocabulary(tokenizer, model, where: str) -> None:
