@@ -61,16 +61,24 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
 
 
 def plan_merge(
-    *, config: dict, adapter: dict[str, Tensor], base: dict[str, Tensor], tied: bool, embed: str, head: str
+    *,
+    config: dict,
+    adapter: dict[str, Tensor],
+    base: dict[str, Tensor],
+    tied: bool,
+    embed: str,
+    head: str,
+    where: str = "adapter",
 ) -> Plan:
-    """Check that adapter and base fit, and decide every output tensor."""
+    """Check that adapter and base fit, and decide every output tensor (errors start with `where`: the adapter's
+    file and the base)."""
     plan = Plan()
     if tied and head not in base:
         base = {**base, head: base[embed]}  # the output side reads the input embeddings
     fan_in_fan_out, flipped = bool(config.get("fan_in_fan_out")), []
     for key in sorted(adapter):
         if not key.startswith(PREFIX):
-            raise ValueError(f"adapter tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
+            raise ValueError(f"{where}: tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
         name = key[len(PREFIX) :]
         if ".lora_B." in name or ".original_module." in name or ".modules_to_save." in name:
             continue  # B goes with A; the others are copies PEFT's own save adds beside `module.weight`
@@ -78,20 +86,20 @@ def plan_merge(
             module = name.split(".lora_A.")[0]
             b_key, target = f"{PREFIX}{module}.lora_B.weight", f"{module}.weight"
             if b_key not in adapter:
-                raise ValueError(f"adapter: {key} has no lora_B partner")
+                raise ValueError(f"{where}: {key} has no lora_B partner")
             a, b = adapter[key].read(), adapter[b_key].read()
             if target not in base:
-                raise ValueError(f"adapter targets {module}, which the base has no weight for ({target})")
+                raise ValueError(f"{where}: the adapter targets {module}, which the base has no weight for ({target})")
             rank = a.shape[0]
             expected_r = pattern_value(config.get("rank_pattern") or {}, module, config["r"])
             if rank != expected_r:
-                raise ValueError(f"adapter: {module} has rank {rank}, adapter_config.json says {expected_r}")
+                raise ValueError(f"{where}: {module} has rank {rank}, adapter_config.json says {expected_r}")
             alpha = pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
             scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
             transposed = _orientation(a, b, tuple(base[target].shape), fan_in_fan_out)
             if transposed is None or b.shape[1] != rank:
                 raise ValueError(
-                    f"adapter: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
+                    f"{where}: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
                     f"{tuple(base[target].shape)}"
                 )
             if transposed != fan_in_fan_out:
@@ -100,10 +108,10 @@ def plan_merge(
         else:
             target = name
             if target not in base:
-                raise ValueError(f"adapter tensor {key} replaces {target}, which the base does not have")
+                raise ValueError(f"{where}: tensor {key} replaces {target}, which the base does not have")
             base_shape = base[target].shape
             if list(adapter[key].shape[1:]) != base_shape[1:]:
-                raise ValueError(f"adapter tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
+                raise ValueError(f"{where}: tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
             plan.replacements[target] = adapter[key]
     if flipped:
         plan.notes.append(
@@ -264,7 +272,8 @@ def merge(
     config, adapter = read_adapter(adapter_dir)
     base, base_config = model_tensors(base_dir), read_json(base_dir / "config.json")
     embed, head, tied = _embedding_names(base_dir, base_config, base)
-    plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head)
+    where = f"{adapter_format.weights_file(adapter_dir)} on the base {base_dir}"
+    plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head, where=where)
     if tokenizer_dir is not None and not tokenizer_dir.is_dir():
         raise FileNotFoundError(f"{tokenizer_dir}: no such tokenizer folder")
     tokenizer_dir = tokenizer_dir or find_tokenizer([adapter_dir, base_dir])

@@ -230,3 +230,12 @@ def test_cli_refuses_a_folder_without_a_checkpoint_in_one_line(engines, tmp_path
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_cli_convert_reads_an_hf_trainer_output_dir(trainers, tmp_path):
+    out = tmp_path / "universal"
+    command = [sys.executable, "-m", "pipeline", "convert", str(trainers / "hf_z3_bf16_config"), str(out)]
+    done = subprocess.run([*command, "--to", "universal"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "picked checkpoint-2, the newest of 2 HF Trainer checkpoint folder(s)" in done.stdout
+    assert read_json(out / "universal_manifest.json")["source"]["zero_stage"] == 3

@@ -111,6 +111,17 @@ def test_architectures_merge_to_peft_logits(tmp_path, arch):
     assert report["notes"] == []
     if arch == "gpt2":
         assert json.loads((adapter / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    _assert_evaluate_scores_the_forward_logits(tmp_path / "merged")
+
+
+def _assert_evaluate_scores_the_forward_logits(model_dir: Path) -> None:
+    """evaluate's scoring (decoder, then the head in chunks) gives the NLL of the model's own forward."""
+    from pipeline.evaluate import load_model, token_nll
+
+    model = load_model(model_dir, None, precision="fp32")
+    with torch.inference_mode():
+        expected = torch.nn.functional.cross_entropy(model(input_ids=IDS).logits.transpose(1, 2), IDS, reduction="none")
+        torch.testing.assert_close(token_nll(model, IDS, IDS, chunk=5), expected.reshape(-1))
 
 
 def test_conv1d_adapter_whose_config_says_not_fan_in_fan_out(tmp_path):
@@ -198,3 +209,45 @@ def test_evaluate_cli_needs_a_tokenizer_only_when_none_is_there(tmp_path, tiny_b
     done = subprocess.run([*command, "--tokenizer", str(tiny_base_dir)], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["tokens"] > 0
+
+
+def test_adapter_with_extra_modules_to_save_copies(tmp_path):
+    """A state dict dumped with PEFT's internal names beside the saved ones (`lm_head.modules_to_save.default`,
+    `lm_head.original_module`): merge and evaluate use the trained copy."""
+    from pipeline.evaluate import load_model
+
+    base, adapter = _base_and_adapter(tmp_path, _mistral, ["lm_head"])
+    expected = _peft_logits(base, adapter, IDS)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.modules_to_save.default.weight"] = tensors["base_model.model.lm_head.weight"] + 0
+    tensors["base_model.model.lm_head.original_module.weight"] = load_file(base / "model.safetensors")["lm_head.weight"]
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(adapter / "adapter_model.safetensors"))
+    merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    torch.testing.assert_close(_merged_logits(tmp_path / "merged", IDS), expected)
+    with torch.inference_mode():
+        torch.testing.assert_close(load_model(base, adapter, precision="fp32")(input_ids=IDS).logits, expected)
+
+
+def test_sharded_pickled_base(tmp_path):
+    base, adapter = _base_and_adapter(tmp_path, _phi3, None)
+    state = load_file(base / "model.safetensors")
+    names = sorted(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+    for file, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, base / file)
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (base / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (base / "model.safetensors").unlink()
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    assert report["verification"]["max_abs_logit_diff"] < 1e-4
+    torch.testing.assert_close(_merged_logits(tmp_path / "merged", IDS), _peft_logits(base, adapter, IDS))
+
+
+def test_adapter_of_another_architecture_is_refused_with_its_file_named(tmp_path):
+    _, adapter = _base_and_adapter(tmp_path / "gpt2", _gpt2, None)
+    base, _ = _base_and_adapter(tmp_path / "mistral", _mistral, None)
+    with pytest.raises(ValueError) as err:
+        merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    assert str(err.value).startswith(f"{adapter / 'adapter_model.safetensors'} on the base {base}: the adapter targets")
+    assert "which the base has no weight for (transformer.h.0.attn.c_attn.weight)" in str(err.value)
+    assert not (tmp_path / "merged").exists()
