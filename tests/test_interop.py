@@ -190,6 +190,11 @@ def _config_of_another_model(engines: Path, tmp_path: Path) -> tuple[Path, str]:
     return folder, "LoRA module model.layers.0.self_attn.q_proj has rank 3, the adapter config says 8"
 
 
+def _universal_folder(engines: Path, tmp_path: Path) -> tuple[Path, str]:
+    to_universal(engines / "z1_fp16_config" / "global_step2", tmp_path / "universal")
+    return tmp_path / "universal", "a universal checkpoint (zero/<parameter>/fp32.pt"
+
+
 def _deepspeed_chat_output(engines: Path, tmp_path: Path) -> tuple[Path, str]:
     folder = tmp_path / "dschat"
     folder.mkdir()
@@ -211,7 +216,7 @@ def _save_only_model(trainers: Path, tmp_path: Path) -> tuple[Path, str]:
     [
         _bf16_and_fp32_optimizer_shards, _zero3_model_file_beside_zero2, _optimizer_shards_beside_zero0,
         _rank_of_another_run, _nvme_offload, _truncated_legacy_file, _config_of_another_model,
-        _deepspeed_chat_output, _save_only_model,
+        _universal_folder, _deepspeed_chat_output, _save_only_model,
     ],
 )  # fmt: skip
 def test_foreign_bad_input_is_refused_and_nothing_written(engines, trainers, tmp_path, damage):

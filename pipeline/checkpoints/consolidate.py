@@ -47,8 +47,8 @@ def consolidate(
     from importlib.metadata import version
 
     where = locate(checkpoint_dir, tag)
+    state, source, layout = master_weights(where.tag_dir)  # the files' checks first: nothing is read yet
     config, config_path = find_adapter_config(where, adapter_config)
-    state, source, layout = master_weights(where.tag_dir)
     names = {adapter.peft_key(name): name for name in state}
     if not any("lora_" in key for key in names):
         raise ValueError(f"{where.tag_dir}: no LoRA parameters among the trainable tensors {sorted(names)}")

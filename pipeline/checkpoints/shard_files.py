@@ -79,6 +79,12 @@ def tag_files(tag_dir: Path) -> TagFiles:
             f"{tag_dir / NVME}: ZeRO-3 optimizer state offloaded to NVMe (*.tensor.swp), which this reader does not "
             f"read; load the checkpoint into an engine with the same NVMe offload and save it again without it"
         )
+    if (tag_dir / "zero").is_dir():
+        raise ValueError(
+            f"{tag_dir / 'zero'}: a universal checkpoint (zero/<parameter>/fp32.pt, written by ds_to_universal or "
+            f"`convert --to universal`), not a ZeRO tag; read the tag it was converted from (DeepSpeed's converter "
+            f"misnames ZeRO-1/2 partitions under round_robin_gradients), or `convert --to zero` it first"
+        )
     groups: dict[str, dict[int, Path]] = {}
     for path in sorted(tag_dir.iterdir()):
         if UNSUPPORTED.match(path.name):
