@@ -7,7 +7,6 @@ harness's disjoint windows). Bits per byte = total NLL / (ln 2 x UTF-8 bytes): c
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,23 +186,26 @@ def with_adapter(model, adapter_dir: Path):
     """`model` with the PEFT adapter of `adapter_dir` applied (its embeddings resized to the adapter's first). PEFT's
     loader reads the adapter as it is when its names are the ones PEFT saves; otherwise (no `base_model.model.`
     prefix, adapter names left in) from a copy under those names in a temporary folder."""
+    import shutil
     import tempfile
 
     from peft import PeftModel
 
     from pipeline.checkpoints.safetensors_stream import write
 
-    config, tensors = adapter.read(adapter_dir)
+    if not (adapter_dir / adapter.CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
+    tensors, as_saved = adapter.read_tensors(adapter_dir)
     modules = {id(m): n for n, m in model.named_modules()}
     embed = f"{adapter.PREFIX}{modules[id(model.get_input_embeddings())]}.weight"
     if embed in tensors and tensors[embed].shape[0] != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(tensors[embed].shape[0], mean_resizing=False)
-    if adapter.is_canonical(adapter_dir):
+    if as_saved:
         return PeftModel.from_pretrained(model, str(adapter_dir))
     with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
         entries = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
         write(Path(tmp) / adapter.WEIGHTS, entries, lambda key: tensors[key].read().contiguous())
-        (Path(tmp) / adapter.CONFIG).write_text(json.dumps(config), encoding="utf-8")
+        shutil.copy2(adapter_dir / adapter.CONFIG, Path(tmp) / adapter.CONFIG)
         return PeftModel.from_pretrained(model, tmp)
 
 

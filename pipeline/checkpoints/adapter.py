@@ -41,9 +41,16 @@ def read(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
     config_path = adapter_dir / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: missing; expected the adapter's LoRA config")
-    config = read_config(config_path)
+    return read_config(config_path), read_tensors(adapter_dir)[0]
+
+
+def read_tensors(adapter_dir: Path) -> tuple[dict[str, Tensor], bool]:
+    """The adapter's tensors under PEFT's saved names, and whether the file already uses those names (then PEFT's
+    own loader reads it as it is)."""
     path = weights_file(adapter_dir)
-    return config, canonical_names(tensors_of(path), path)
+    found = tensors_of(path)
+    tensors = canonical_names(found, path)
+    return tensors, set(found) == set(tensors)
 
 
 def peft_key(name: str, adapter: str = "default") -> str:
@@ -60,13 +67,6 @@ def canonical_names(tensors: dict[str, Tensor], where: Path) -> dict[str, Tensor
             raise ValueError(f"{where}: two different tensors are both {key} once named as PEFT saves them")
         out.setdefault(key, tensor)
     return out
-
-
-def is_canonical(adapter_dir: Path) -> bool:
-    """Whether PEFT's own loader reads this adapter as it is (its names are the ones PEFT saves)."""
-    path = weights_file(adapter_dir)
-    names = list(tensors_of(path))
-    return all(name.startswith(PREFIX) and peft_key(name) == name for name in names)
 
 
 def pattern_value(patterns: dict, module: str, default):

@@ -104,6 +104,8 @@ def _read_optim(paths: dict[int, Path], model_state: dict) -> _Partitions:
             raise ValueError(f"{path}: no optimizer_state_dict: not a DeepSpeed optimizer shard")
     counts = {p: o.get("partition_count") for p, o in inner.items()}
     world = check_same({p: max(c) if isinstance(c, list) else c for p, c in counts.items()}, "partition_count")
+    if not isinstance(world, int):
+        raise ValueError(f"{next(iter(paths.values()))}: no partition_count: not a partitioned optimizer shard")
     version = check_same({p: str(s.get("ds_version")) for p, s in states.items()}, "ds_version")
     adam_step = check_same({p: _optimizer_step(o) for p, o in inner.items()}, "optimizer step")
     stage = check_same({p: o.get("zero_stage") for p, o in inner.items()}, "zero_stage")
@@ -117,7 +119,8 @@ def _read_optim(paths: dict[int, Path], model_state: dict) -> _Partitions:
     flat3 = "fp32_flat_groups" in first
     key = "fp32_flat_groups" if flat3 else "single_partition_of_fp32_groups"
     if stage is None:  # BF16_Optimizer records no stage: its run's config does
-        stage = int(((model_state.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0))
+        stage = ((model_state.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
+        stage = stage if isinstance(stage, int) else 0
         wrapper = "BF16_Optimizer"
     else:
         wrapper = "DeepSpeedZeroOptimizer_Stage3" if flat3 else "DeepSpeedZeroOptimizer"
