@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoints.model_files import Tensor, model_tensors
+from pipeline.checkpoints.model_files import FileTensor, model_tensors
 
 ROW_BLOCK = 1024  # rows read, or drawn, at a time
 Rows = Callable[[int, int], torch.Tensor]  # rows [a, b) of an embedding past the base's, in fp32
 
 
-def added_rows(source: Tensor, *, init: str, seed: int, std: float) -> Rows:
+def added_rows(source: FileTensor, *, init: str, seed: int, std: float) -> Rows:
     """The values of the rows past `source`'s: the mean of its rows (accumulated in fp64, a block at a time), or
     N(0, std) drawn per block of ROW_BLOCK rows from a generator seeded by (seed, block)."""
     old, hidden = source.shape
@@ -45,7 +45,7 @@ def added_rows(source: Tensor, *, init: str, seed: int, std: float) -> Rows:
     return rows
 
 
-def read_flat(source: Tensor, grown: Rows | None, start: int, count: int) -> torch.Tensor:
+def read_flat(source: FileTensor, grown: Rows | None, start: int, count: int) -> torch.Tensor:
     """Elements [start, start + count) of a parameter flattened, in fp32: the file's, then the added rows'."""
     hidden = 1 if len(source.shape) == 1 else source.shape[1]
     stored = source.shape[0] * hidden
@@ -59,7 +59,7 @@ def read_flat(source: Tensor, grown: Rows | None, start: int, count: int) -> tor
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _sources(model: torch.nn.Module, tensors: dict[str, Tensor], folder: Path) -> dict[str, Tensor]:
+def _sources(model: torch.nn.Module, tensors: dict[str, FileTensor], folder: Path) -> dict[str, FileTensor]:
     """The file tensor of every parameter (tied ones once, under their first name)."""
     missing = [name for name, _ in model.named_parameters() if name not in tensors]
     if missing:

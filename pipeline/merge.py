@@ -21,7 +21,7 @@ from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
 from pipeline.checkpoints.adapter import PREFIX, pattern_value
-from pipeline.checkpoints.model_files import Tensor, model_tensors
+from pipeline.checkpoints.model_files import FileTensor, model_tensors
 from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.merge_verify import TOLERANCES, logits_gap
 from pipeline.precision import DTYPES, dtype_name
@@ -38,7 +38,7 @@ class Plan:
     """What happens to each base tensor, decided (and checked) before anything is written."""
 
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=dict)  # A, B, scale, T
-    replacements: dict[str, Tensor] = field(default_factory=dict)
+    replacements: dict[str, FileTensor] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
     vocab_rows: int = 0
@@ -51,7 +51,7 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
     """adapter_config.json and the adapter's tensors (not read yet); variants this merge cannot fold are refused."""
     config, tensors = adapter_format.read(adapter_dir)
     for flag in ("use_dora", "lora_bias"):
@@ -63,8 +63,8 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
 def plan_merge(
     *,
     config: dict,
-    adapter: dict[str, Tensor],
-    base: dict[str, Tensor],
+    adapter: dict[str, FileTensor],
+    base: dict[str, FileTensor],
     tied: bool,
     embed: str,
     head: str,
@@ -158,7 +158,7 @@ def _decide_tie(plan: Plan, *, tied: bool, embed: str, head: str, base_rows: int
     plan.notes.append(f"untied {embed} and {head}: the adapter changed the {side} embeddings differently")
 
 
-def _merged_tensor(key: str, base: Tensor, plan: Plan) -> torch.Tensor:
+def _merged_tensor(key: str, base: FileTensor, plan: Plan) -> torch.Tensor:
     value = plan.replacements.get(key, base).read().float()
     if key in plan.deltas:
         a, b, scale, transposed = plan.deltas[key]
@@ -179,7 +179,7 @@ def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list
     return [*shards, current] if current else shards
 
 
-def write_merged(*, out: Path, base: dict[str, Tensor], plan: Plan, dtype: str, max_bytes: int) -> int:
+def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: str, max_bytes: int) -> int:
     """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
     kind = DTYPES[dtype]
     sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
@@ -212,7 +212,7 @@ EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.e
 HEADS = ("lm_head.weight", "embed_out.weight")
 
 
-def _embedding_names(base_dir: Path, config: dict, base: dict[str, Tensor]) -> tuple[str, str, bool]:
+def _embedding_names(base_dir: Path, config: dict, base: dict[str, FileTensor]) -> tuple[str, str, bool]:
     """(input embedding weight, output embedding weight, tied): the usual names, else from the architecture
     (importing transformers costs ~150 MB, which the merge otherwise never needs)."""
     embed = next((name for name in EMBEDDINGS if name in base), None)

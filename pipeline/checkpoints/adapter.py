@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from pipeline.atomic import read_json
-from pipeline.checkpoints.model_files import Tensor, tensors_of
+from pipeline.checkpoints.model_files import FileTensor, tensors_of
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -36,7 +36,7 @@ def weights_file(adapter_dir: Path) -> Path:
     raise FileNotFoundError(f"{adapter_dir / WEIGHTS}: missing (nor {WEIGHTS_BIN}); expected the adapter's tensors")
 
 
-def read(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
+def read(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
     """An adapter folder's config and tensors (not read yet), under PEFT's saved names."""
     config_path = adapter_dir / CONFIG
     if not config_path.is_file():
@@ -44,7 +44,7 @@ def read(adapter_dir: Path) -> tuple[dict, dict[str, Tensor]]:
     return read_config(config_path), read_tensors(adapter_dir)[0]
 
 
-def read_tensors(adapter_dir: Path) -> tuple[dict[str, Tensor], bool]:
+def read_tensors(adapter_dir: Path) -> tuple[dict[str, FileTensor], bool]:
     """The adapter's tensors under PEFT's saved names, and whether the file already uses those names (then PEFT's
     own loader reads it as it is)."""
     path = weights_file(adapter_dir)
@@ -58,9 +58,9 @@ def peft_key(name: str, adapter: str = "default") -> str:
     return name.replace(f"modules_to_save.{adapter}.", "").replace(f".{adapter}.", ".")
 
 
-def canonical_names(tensors: dict[str, Tensor], where: Path) -> dict[str, Tensor]:
+def canonical_names(tensors: dict[str, FileTensor], where: Path) -> dict[str, FileTensor]:
     """The tensors under PEFT's saved names; two names that become one must hold the same values."""
-    out: dict[str, Tensor] = {}
+    out: dict[str, FileTensor] = {}
     for name, tensor in tensors.items():
         key = peft_key(name if name.startswith(PREFIX) else PREFIX + name)
         if key in out and out[key].digest() != tensor.digest():

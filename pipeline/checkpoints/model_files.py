@@ -25,7 +25,7 @@ BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
-class Tensor(Protocol):
+class FileTensor(Protocol):
     """A tensor in a file: its shape known, its values read on demand."""
 
     @property
@@ -91,12 +91,12 @@ def pickled(path: Path) -> dict[str, Pickled]:
     return {name: Pickled(path, name, value, mapped) for name, value in state.items()}
 
 
-def tensors_of(path: Path) -> dict[str, Tensor]:
+def tensors_of(path: Path) -> dict[str, FileTensor]:
     """Every tensor of one weights file, by its suffix (.safetensors, else a torch.save file)."""
     return dict(stored(path)) if path.suffix == ".safetensors" else dict(pickled(path))
 
 
-def model_tensors(base_dir: Path) -> dict[str, Tensor]:
+def model_tensors(base_dir: Path) -> dict[str, FileTensor]:
     """Every tensor of an HF model folder, in shard order; safetensors preferred when both are there."""
     for index, single in ((INDEX, SAFETENSORS), (BIN_INDEX, BIN)):
         if (base_dir / index).is_file():
