@@ -195,6 +195,19 @@ def _universal_folder(engines: Path, tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "universal", "a universal checkpoint (zero/<parameter>/fp32.pt"
 
 
+def _deepspeed_chat_lora(engines: Path, tmp_path: Path) -> tuple[Path, str]:
+    """A DeepSpeed-Chat run that added engine.save_checkpoint: fp16 ZeRO-0 with FusedAdam (its defaults), its own
+    LoRA layers (`lora_right_weight` = A^T, `lora_left_weight` = B^T) in place of PEFT's."""
+    folder = _copy(engines, "z0_fp16_fused", tmp_path)
+    path = folder / "global_step2" / "mp_rank_00_model_states.pt"
+    state = torch.load(path, weights_only=False)
+    renames = {".lora_A.default.weight": ".lora_right_weight", ".lora_B.default.weight": ".lora_left_weight"}
+    for old, new in renames.items():
+        state["module"] = {k.replace(old, new): v for k, v in state["module"].items()}
+    torch.save(state, path)
+    return folder, "holds DeepSpeed-Chat's own LoRA layers (base_model.model.model.layers.0.mlp.up_proj.lora_left"
+
+
 def _deepspeed_chat_output(engines: Path, tmp_path: Path) -> tuple[Path, str]:
     folder = tmp_path / "dschat"
     folder.mkdir()
@@ -216,7 +229,7 @@ def _save_only_model(trainers: Path, tmp_path: Path) -> tuple[Path, str]:
     [
         _bf16_and_fp32_optimizer_shards, _zero3_model_file_beside_zero2, _optimizer_shards_beside_zero0,
         _rank_of_another_run, _nvme_offload, _truncated_legacy_file, _config_of_another_model,
-        _universal_folder, _deepspeed_chat_output, _save_only_model,
+        _universal_folder, _deepspeed_chat_lora, _deepspeed_chat_output, _save_only_model,
     ],
 )  # fmt: skip
 def test_foreign_bad_input_is_refused_and_nothing_written(engines, trainers, tmp_path, damage):

@@ -19,6 +19,7 @@ from pipeline.precision import DTYPES
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 MANIFEST = "consolidate_manifest.json"
+DEEPSPEED_CHAT_LORA = ("lora_right_weight", "lora_left_weight")  # its LinearLayer_LoRA: A^T and B^T
 
 
 def find_adapter_config(where: Located, explicit: Path | None) -> tuple[dict, Path]:
@@ -49,6 +50,12 @@ def consolidate(
     where = locate(checkpoint_dir, tag)
     state, source, layout = master_weights(where.tag_dir)  # the files' checks first: nothing is read yet
     config, config_path = find_adapter_config(where, adapter_config)
+    if chat := sorted(name for name in state if name.endswith(DEEPSPEED_CHAT_LORA)):
+        raise ValueError(
+            f"{where.tag_dir}: holds DeepSpeed-Chat's own LoRA layers ({chat[0]}, ...), not PEFT's, so there is no "
+            f"PEFT adapter to write; fuse them with DeepSpeed-Chat's convert_lora_to_linear_layer and save the model "
+            f"(save_hf_format), then evaluate that"
+        )
     names = {adapter.peft_key(name): name for name in state}
     if not any("lora_" in key for key in names):
         raise ValueError(f"{where.tag_dir}: no LoRA parameters among the trainable tensors {sorted(names)}")
