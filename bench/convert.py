@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from bench.common import report, run_tree_peak, side_by_side
-from pipeline.checkpoints.consolidate import resolve_tag
+from pipeline.checkpoints.locate import resolve_tag
 
 CHECKPOINTS = Path("artifacts/checkpoints")
 

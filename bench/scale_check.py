@@ -28,7 +28,7 @@ import torch
 
 from bench.common import run_measured
 from pipeline.atomic import read_json, write_json
-from pipeline.checkpoints import safetensors_stream
+from pipeline.checkpoints import model_files, safetensors_stream
 from pipeline.processes import with_venv_path
 from tools.repro_check import copy_project, sh
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         load_tokenizer(gguf.parent, gguf_file=gguf.name).save_pretrained(str(work / "tokenizer"))
         parameters = write_random_llama(base, work / "tokenizer")
         print(f"scale-check: {parameters / 1e9:.2f} B parameters in {base} ({time.perf_counter() - start:.0f} s)")
-    parameters = sum(math.prod(t.shape) for t in safetensors_stream.model_tensors(base).values())
+    parameters = sum(math.prod(t.shape) for t in model_files.model_tensors(base).values())
     project = work / "project"
     if project.exists():
         sh(["rm", "-rf", str(project)], work)

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from pipeline.checkpoints.safetensors_stream import Stored, model_tensors
+from pipeline.checkpoints.model_files import FileTensor, model_tensors
 
 ROW_BLOCK = 1024  # rows read, or drawn, at a time
 COPY_ELEMENTS = 1 << 24  # elements read and copied at a time into a partition
 Rows = Callable[[int, int], torch.Tensor]  # rows [a, b) of an embedding past the base's, in fp32
 
 
-def added_rows(source: Stored, *, init: str, seed: int, std: float) -> Rows:
+def added_rows(source: FileTensor, *, init: str, seed: int, std: float) -> Rows:
     """The values of the rows past `source`'s: the mean of its rows (accumulated in fp64, a block at a time), or
     N(0, std) drawn per block of ROW_BLOCK rows from a generator seeded by (seed, block)."""
     old, hidden = source.shape
@@ -46,7 +46,7 @@ def added_rows(source: Stored, *, init: str, seed: int, std: float) -> Rows:
     return rows
 
 
-def fill_flat(out: torch.Tensor, source: Stored, grown: Rows | None, start: int) -> None:
+def fill_flat(out: torch.Tensor, source: FileTensor, grown: Rows | None, start: int) -> None:
     """Fill `out` with elements [start, start + len(out)) of a parameter flattened: the file's, then the added rows',
     cast as copied, COPY_ELEMENTS at a time (memory: one block, whatever the tensor)."""
     hidden = 1 if len(source.shape) == 1 else source.shape[1]
@@ -65,7 +65,7 @@ def fill_flat(out: torch.Tensor, source: Stored, grown: Rows | None, start: int)
         target[first - a :].copy_(block[first - first // hidden * hidden : b - first // hidden * hidden])
 
 
-def _sources(model: torch.nn.Module, tensors: dict[str, Stored], folder: Path) -> dict[str, Stored]:
+def _sources(model: torch.nn.Module, tensors: dict[str, FileTensor], folder: Path) -> dict[str, FileTensor]:
     """The file tensor of every parameter (tied ones once, under their first name)."""
     missing = [name for name, _ in model.named_parameters() if name not in tensors]
     if missing:

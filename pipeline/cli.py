@@ -19,17 +19,20 @@ def _consolidate(args: argparse.Namespace) -> None:
         adapter_config=args.adapter_config,
         dtype=args.dtype,
     )
-    source = manifest["source"]
+    source, layout = manifest["source"], manifest["layout"]
+    for note in manifest["notes"]:
+        print(f"consolidate: note: {note}")
     print(
         f"consolidate: {len(manifest['tensors'])} tensors ({manifest['elements']:,} elements) from "
-        f"{source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s)) -> {args.output_dir}"
+        f"{source['checkpoint']}/{source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), "
+        f"{layout['optimizer']}, {layout['master_dtype']} masters) -> {args.output_dir}"
     )
 
 
 def _convert(args: argparse.Namespace) -> None:
     import time
 
-    from pipeline.checkpoints.consolidate import resolve_tag
+    from pipeline.checkpoints.locate import locate
     from pipeline.checkpoints.universal import ensure_universal, is_universal, to_universal
     from pipeline.checkpoints.zero_writer import to_zero
 
@@ -39,8 +42,7 @@ def _convert(args: argparse.Namespace) -> None:
             raise ValueError("--to zero: expected --base, --world-size and --zero-stage")
         universal = args.checkpoint_dir
         if not is_universal(universal):  # a ZeRO checkpoint: its universal form first, beside its tag
-            tag = resolve_tag(args.checkpoint_dir, args.tag)
-            universal, _ = ensure_universal(args.checkpoint_dir / tag, args.workers)
+            universal, _ = ensure_universal(locate(args.checkpoint_dir, args.tag).tag_dir, args.workers)
         to_zero(
             universal=universal,
             out_dir=args.output_dir,
@@ -54,11 +56,13 @@ def _convert(args: argparse.Namespace) -> None:
             f"{time.perf_counter() - start:.1f} s; resume it with train.resume_from={args.output_dir}"
         )
         return
-    tag = resolve_tag(args.checkpoint_dir, args.tag)
-    manifest = to_universal(args.checkpoint_dir / tag, args.output_dir, args.workers)
+    where = locate(args.checkpoint_dir, args.tag)
+    for note in where.notes:
+        print(f"convert: note: {note}")
+    manifest = to_universal(where.tag_dir, args.output_dir, args.workers)
     source = manifest["source"]
     print(
-        f"convert: {args.checkpoint_dir / tag} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), step "
+        f"convert: {where.tag_dir} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), step "
         f"{manifest['step']}) -> {args.output_dir}: {len(manifest['parameters'])} parameters with their Adam "
         f"moments in {time.perf_counter() - start:.1f} s; a run of any world size under ZeRO 1-3 resumes from it"
     )
@@ -71,6 +75,7 @@ def _merge(args: argparse.Namespace) -> None:
         base_dir=args.base,
         adapter_dir=args.adapter,
         out_dir=args.out,
+        tokenizer_dir=args.tokenizer,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         verify=not args.no_verify,
@@ -82,16 +87,21 @@ def _merge(args: argparse.Namespace) -> None:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from pipeline import evaluate as ev
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.tokenizer import find_tokenizer, load_tokenizer
 
     if args.stride > args.context:
         raise ValueError(f"--stride: must be <= --context ({args.context}), got {args.stride}")
-    tokenizer = load_tokenizer(args.tokenizer or args.adapter or args.model)
+    folder = args.tokenizer or find_tokenizer([args.adapter, args.model])
+    if folder is None:
+        raise FileNotFoundError(
+            f"{', '.join(str(p) for p in (args.adapter, args.model) if p)}: no tokenizer files; pass --tokenizer FOLDER"
+        )
+    tokenizer = load_tokenizer(folder)
     examples = ev.load_examples(
         tokenizer, args.file, template=args.template, max_bytes=args.max_bytes, context=args.context, key="--file"
     )
     model = ev.load_model(args.model, args.adapter, precision=args.precision)
-    ev.check_vocabulary(tokenizer, model, str(args.tokenizer or args.adapter or args.model))
+    ev.check_vocabulary(tokenizer, model, str(folder))
     result = ev.score(model, examples, context=args.context, stride=args.stride, batch_size=args.batch_size).as_dict()
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
 
@@ -100,14 +110,20 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
     consolidate = commands.add_parser("consolidate", help="DeepSpeed ZeRO checkpoint -> PEFT adapter folder")
-    consolidate.add_argument("checkpoint_dir", type=Path, help="DeepSpeed checkpoint folder (holds `latest`)")
+    consolidate.add_argument(
+        "checkpoint_dir",
+        type=Path,
+        help="DeepSpeed save_dir (holds `latest`), HF Trainer checkpoint-N or output_dir, or a tag folder",
+    )
     consolidate.add_argument("output_dir", type=Path, help="adapter folder to write")
     consolidate.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
     consolidate.add_argument("--adapter-config", type=Path, help="adapter_config.json (default: the checkpoint's)")
     consolidate.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
     consolidate.set_defaults(handler=_consolidate)
     convert = commands.add_parser("convert", help="checkpoint layouts: ZeRO 1-3 <-> DeepSpeed's universal layout")
-    convert.add_argument("checkpoint_dir", type=Path, help="checkpoint folder (holds `latest`), or a universal one")
+    convert.add_argument(
+        "checkpoint_dir", type=Path, help="checkpoint folder (as for consolidate), or a universal one for --to zero"
+    )
     convert.add_argument("output_dir", type=Path, help="folder to write (must not exist)")
     convert.add_argument("--to", choices=("universal", "zero"), required=True, help="the layout to write")
     convert.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
@@ -121,6 +137,9 @@ def parser() -> argparse.ArgumentParser:
     merge.add_argument("--base", type=Path, required=True, help="base HF model folder")
     merge.add_argument("--adapter", type=Path, required=True, help="PEFT adapter folder")
     merge.add_argument("--out", type=Path, required=True, help="merged HF model folder to write")
+    merge.add_argument(
+        "--tokenizer", type=Path, help="tokenizer to check and ship (default: the adapter's, else the base's, if any)"
+    )
     merge.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
     merge.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
     merge.add_argument("--no-verify", action="store_true", help="skip the base + adapter vs merged logits check")
@@ -130,7 +149,9 @@ def parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("evaluate", help="perplexity and bits per byte of a model on a text/JSONL file")
     evaluate.add_argument("--model", type=Path, required=True, help="HF model folder")
     evaluate.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
-    evaluate.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the adapter's, else the model's)")
+    evaluate.add_argument(
+        "--tokenizer", type=Path, help="tokenizer folder (default: the adapter's, else the model's, if any)"
+    )
     evaluate.add_argument("--file", type=Path, required=True, help="text (one document per line) or SFT JSONL")
     evaluate.add_argument("--context", type=int, default=512, help="window length in tokens")
     evaluate.add_argument("--stride", type=int, default=512, help="tokens the window advances by")

@@ -178,17 +178,35 @@ def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "a
     dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto" if cuda else None)
     if adapter_dir is not None:
-        from peft import PeftModel
-        from safetensors import safe_open
-
-        if not (adapter_dir / adapter.CONFIG).is_file():
-            raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
-        with safe_open(adapter_dir / adapter.WEIGHTS, "pt") as f:
-            rows = [f.get_slice(k).get_shape()[0] for k in f.keys() if k.endswith("embed_tokens.weight")]  # noqa: SIM118
-        if rows and rows[0] != model.get_input_embeddings().weight.shape[0]:
-            model.resize_token_embeddings(rows[0], mean_resizing=False)
-        model = PeftModel.from_pretrained(model, str(adapter_dir))
+        model = with_adapter(model, adapter_dir)
     return model.eval()
+
+
+def with_adapter(model, adapter_dir: Path):
+    """`model` with the PEFT adapter of `adapter_dir` applied (its embeddings resized to the adapter's first). PEFT's
+    loader reads the adapter as it is when its names are the ones PEFT saves; otherwise (no `base_model.model.`
+    prefix, adapter names left in) from a copy under those names in a temporary folder."""
+    import shutil
+    import tempfile
+
+    from peft import PeftModel
+
+    from pipeline.checkpoints.safetensors_stream import write
+
+    if not (adapter_dir / adapter.CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
+    tensors, as_saved = adapter.read_tensors(adapter_dir)
+    modules = {id(m): n for n, m in model.named_modules()}
+    embed = f"{adapter.PREFIX}{modules[id(model.get_input_embeddings())]}.weight"
+    if embed in tensors and tensors[embed].shape[0] != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(tensors[embed].shape[0], mean_resizing=False)
+    if as_saved:
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+    with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
+        entries = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+        write(Path(tmp) / adapter.WEIGHTS, entries, lambda key: tensors[key].read().contiguous())
+        shutil.copy2(adapter_dir / adapter.CONFIG, Path(tmp) / adapter.CONFIG)
+        return PeftModel.from_pretrained(model, tmp)
 
 
 def check_vocabulary(tokenizer, model, where: str) -> None:

@@ -3,7 +3,8 @@ computed.
 
 W' = W + scale * (B @ A) in fp32 (scale = alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern/alpha_pattern
 honoured; transposed for fan_in_fan_out), then cast. modules_to_save tensors replace the base's. A tied base stays
-tied when input and output embeddings end up equal, and is untied (with a note) when only one side changed."""
+tied when input and output embeddings end up equal, and is untied (with a note) when only one side changed. The base
+may be safetensors or PyTorch pickles in any float dtype; a tokenizer is checked when there is one."""
 
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ import torch
 from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
-from pipeline.checkpoints.adapter import PREFIX
-from pipeline.checkpoints.safetensors_stream import INDEX, Stored, model_tensors
+from pipeline.checkpoints.adapter import PREFIX, pattern_value
+from pipeline.checkpoints.model_files import FileTensor, model_tensors
+from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.merge_verify import TOLERANCES, logits_gap
 from pipeline.precision import DTYPES, dtype_name
+from pipeline.tokenizer import BPE_FILES, find_tokenizer
 from pipeline.tokenizer import FILES as TOKENIZER_FILES
 
 REPORT = "merge_report.json"
+NO_TOKENIZER = "no tokenizer in the base or adapter folder, and none given"
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
@@ -34,7 +38,7 @@ class Plan:
     """What happens to each base tensor, decided (and checked) before anything is written."""
 
     deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=dict)  # A, B, scale, T
-    replacements: dict[str, Stored] = field(default_factory=dict)
+    replacements: dict[str, FileTensor] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
     vocab_rows: int = 0
@@ -47,7 +51,7 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
     """adapter_config.json and the adapter's tensors (not read yet); variants this merge cannot fold are refused."""
     config, tensors = adapter_format.read(adapter_dir)
     for flag in ("use_dora", "lora_bias"):
@@ -56,25 +60,25 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
     return config, tensors
 
 
-def _pattern_value(patterns: dict, module: str, default):
-    """PEFT's rule: the first pattern that matches the end of the module name wins."""
-    for pattern, value in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            return value
-    return default
-
-
 def plan_merge(
-    *, config: dict, adapter: dict[str, Stored], base: dict[str, Stored], tied: bool, embed: str, head: str
+    *,
+    config: dict,
+    adapter: dict[str, FileTensor],
+    base: dict[str, FileTensor],
+    tied: bool,
+    embed: str,
+    head: str,
+    where: str = "adapter",
 ) -> Plan:
-    """Check that adapter and base fit, and decide every output tensor."""
+    """Check that adapter and base fit, and decide every output tensor (errors start with `where`: the adapter's
+    file and the base)."""
     plan = Plan()
     if tied and head not in base:
         base = {**base, head: base[embed]}  # the output side reads the input embeddings
-    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    fan_in_fan_out, flipped = bool(config.get("fan_in_fan_out")), []
     for key in sorted(adapter):
         if not key.startswith(PREFIX):
-            raise ValueError(f"adapter tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
+            raise ValueError(f"{where}: tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
         name = key[len(PREFIX) :]
         if ".lora_B." in name or ".original_module." in name or ".modules_to_save." in name:
             continue  # B goes with A; the others are copies PEFT's own save adds beside `module.weight`
@@ -82,34 +86,52 @@ def plan_merge(
             module = name.split(".lora_A.")[0]
             b_key, target = f"{PREFIX}{module}.lora_B.weight", f"{module}.weight"
             if b_key not in adapter:
-                raise ValueError(f"adapter: {key} has no lora_B partner")
+                raise ValueError(f"{where}: {key} has no lora_B partner")
             a, b = adapter[key].read(), adapter[b_key].read()
             if target not in base:
-                raise ValueError(f"adapter targets {module}, which the base has no weight for ({target})")
+                raise ValueError(f"{where}: the adapter targets {module}, which the base has no weight for ({target})")
             rank = a.shape[0]
-            expected_r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+            expected_r = pattern_value(config.get("rank_pattern") or {}, module, config["r"])
             if rank != expected_r:
-                raise ValueError(f"adapter: {module} has rank {rank}, adapter_config.json says {expected_r}")
-            alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+                raise ValueError(f"{where}: {module} has rank {rank}, adapter_config.json says {expected_r}")
+            alpha = pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
             scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-            out_features, in_features = base[target].shape if not fan_in_fan_out else base[target].shape[::-1]
-            if (b.shape[0], a.shape[1]) != (out_features, in_features) or b.shape[1] != rank:
+            transposed = _orientation(a, b, tuple(base[target].shape), fan_in_fan_out)
+            if transposed is None or b.shape[1] != rank:
                 raise ValueError(
-                    f"adapter: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
+                    f"{where}: {module} B{tuple(b.shape)} @ A{tuple(a.shape)} does not fit the base weight "
                     f"{tuple(base[target].shape)}"
                 )
-            plan.deltas[target] = (a, b, scale, fan_in_fan_out)
+            if transposed != fan_in_fan_out:
+                flipped.append(module)
+            plan.deltas[target] = (a, b, scale, transposed)
         else:
             target = name
             if target not in base:
-                raise ValueError(f"adapter tensor {key} replaces {target}, which the base does not have")
+                raise ValueError(f"{where}: tensor {key} replaces {target}, which the base does not have")
             base_shape = base[target].shape
             if list(adapter[key].shape[1:]) != base_shape[1:]:
-                raise ValueError(f"adapter tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
+                raise ValueError(f"{where}: tensor {key}: shape {tuple(adapter[key].shape)} vs base {base_shape}")
             plan.replacements[target] = adapter[key]
+    if flipped:
+        plan.notes.append(
+            f"fan_in_fan_out is {fan_in_fan_out} in adapter_config.json but the base stores {flipped[:3]}"
+            f"{' ...' if len(flipped) > 3 else ''} the other way round; merged as their shapes say (PEFT decides by "
+            f"the layer type the same way)"
+        )
     plan.vocab_rows = plan.replacements.get(embed, base[embed]).shape[0]
     _decide_tie(plan, tied=tied, embed=embed, head=head, base_rows=base[embed].shape[0])
     return plan
+
+
+def _orientation(a: torch.Tensor, b: torch.Tensor, base_shape: tuple, fan_in_fan_out: bool) -> bool | None:
+    """Whether B @ A is added transposed: the base weight is (out, in) for a Linear, (in, out) for a Conv1D (GPT-2);
+    the shapes decide where they can, else the config's fan_in_fan_out; None when neither way fits."""
+    product = (b.shape[0], a.shape[1])
+    fits = [transposed for transposed in (False, True) if (base_shape[::-1] if transposed else base_shape) == product]
+    if not fits:
+        return None
+    return fan_in_fan_out if len(fits) == 2 else fits[0]
 
 
 def _decide_tie(plan: Plan, *, tied: bool, embed: str, head: str, base_rows: int) -> None:
@@ -136,7 +158,7 @@ def _decide_tie(plan: Plan, *, tied: bool, embed: str, head: str, base_rows: int
     plan.notes.append(f"untied {embed} and {head}: the adapter changed the {side} embeddings differently")
 
 
-def _merged_tensor(key: str, base: Stored, plan: Plan) -> torch.Tensor:
+def _merged_tensor(key: str, base: FileTensor, plan: Plan) -> torch.Tensor:
     value = plan.replacements.get(key, base).read().float()
     if key in plan.deltas:
         a, b, scale, transposed = plan.deltas[key]
@@ -157,7 +179,7 @@ def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list
     return [*shards, current] if current else shards
 
 
-def write_merged(*, out: Path, base: dict[str, Stored], plan: Plan, dtype: str, max_bytes: int) -> int:
+def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: str, max_bytes: int) -> int:
     """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
     kind = DTYPES[dtype]
     sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
@@ -190,7 +212,7 @@ EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.e
 HEADS = ("lm_head.weight", "embed_out.weight")
 
 
-def _embedding_names(base_dir: Path, config: dict, base: dict[str, Stored]) -> tuple[str, str, bool]:
+def _embedding_names(base_dir: Path, config: dict, base: dict[str, FileTensor]) -> tuple[str, str, bool]:
     """(input embedding weight, output embedding weight, tied): the usual names, else from the architecture
     (importing transformers costs ~150 MB, which the merge otherwise never needs)."""
     embed = next((name for name in EMBEDDINGS if name in base), None)
@@ -215,9 +237,12 @@ def _write_config(config: dict, *, out: Path, rows: int, tied: bool, dtype: str)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _check_tokenizer(folder: Path, rows: int) -> int:
+def _check_tokenizer(folder: Path | None, rows: int) -> int | None:
+    """The tokenizer's size, which must fit the embeddings; None when there is no tokenizer to check."""
     from pipeline.tokenizer import vocabulary_size
 
+    if folder is None:
+        return None
     size = vocabulary_size(folder)
     if size > rows:
         raise ValueError(f"{folder}: tokenizer has {size} tokens, the merged embeddings only {rows} rows")
@@ -229,13 +254,16 @@ def merge(
     base_dir: Path,
     adapter_dir: Path,
     out_dir: Path,
+    tokenizer_dir: Path | None = None,
     dtype: str = "fp32",
     max_shard_size: str = "2GB",
     verify: bool = True,
     max_abs_logit_diff: float | None = None,
     max_kl: float | None = None,
 ) -> dict:
-    """Merge, write config/tokenizer/generation config, verify; OUT_DIR appears only when all of it passed."""
+    """Merge, write config/tokenizer/generation config, verify; OUT_DIR appears only when all of it passed. The
+    tokenizer checked and shipped is TOKENIZER_DIR, else the adapter's, else the base's; with none, the check is
+    skipped (and the report says so)."""
     if dtype not in TOLERANCES:
         raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(TOLERANCES)}")
     if not base_dir.is_dir():
@@ -244,8 +272,11 @@ def merge(
     config, adapter = read_adapter(adapter_dir)
     base, base_config = model_tensors(base_dir), read_json(base_dir / "config.json")
     embed, head, tied = _embedding_names(base_dir, base_config, base)
-    plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head)
-    tokenizer_dir = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base_dir
+    where = f"{adapter_format.weights_file(adapter_dir)} on the base {base_dir}"
+    plan = plan_merge(config=config, adapter=adapter, base=base, tied=tied, embed=embed, head=head, where=where)
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise FileNotFoundError(f"{tokenizer_dir}: no such tokenizer folder")
+    tokenizer_dir = tokenizer_dir or find_tokenizer([adapter_dir, base_dir])
     tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)
     report = {
         "lora_layers": len(plan.deltas),
@@ -254,6 +285,7 @@ def merge(
         "notes": plan.notes,
         "vocab_rows": plan.vocab_rows,
         "tokenizer_size": tokens,
+        "tokenizer": str(tokenizer_dir) if tokenizer_dir else f"not checked: {NO_TOKENIZER}",
         "dtype": dtype,
     }
     with atomic_path(out_dir) as tmp:
@@ -263,7 +295,7 @@ def merge(
         for name in ("generation_config.json",):
             if (base_dir / name).is_file():
                 shutil.copy2(base_dir / name, tmp / name)
-        for name in TOKENIZER_FILES:
+        for name in (*TOKENIZER_FILES, *BPE_FILES) if tokenizer_dir else ():
             if (tokenizer_dir / name).is_file():
                 shutil.copy2(tokenizer_dir / name, tmp / name)
         if verify:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoints import adapter as adapter_format
-from pipeline.checkpoints.safetensors_stream import Stored, model_tensors, stored
+from pipeline.checkpoints.model_files import FileTensor, model_tensors
 
 TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
 Source = Callable[[], torch.Tensor]  # a parameter's value, read when its block runs
@@ -48,9 +48,8 @@ def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_di
     else:
         from peft import LoraConfig, get_peft_model
 
-        adapter_format.read_config(adapter_dir / adapter_format.CONFIG)  # a LoRA adapter
+        _, tensors = adapter_format.read(adapter_dir)  # a LoRA adapter, its tensors under PEFT's saved names
         model = get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)), autocast_adapter_dtype=False)
-        tensors = stored(adapter_dir / adapter_format.WEIGHTS)
         sources = _sources(model, lambda name: _peft_tensor(name, base, tensors), f"{model_dir} + {adapter_dir}")
     handles = _stream(model.eval(), sources, blocks)
     try:
@@ -61,7 +60,7 @@ def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_di
             handle.remove()
 
 
-def _peft_tensor(name: str, base: dict[str, Stored], adapter: dict[str, Stored]) -> Stored | None:
+def _peft_tensor(name: str, base: dict[str, FileTensor], adapter: dict[str, FileTensor]) -> FileTensor | None:
     """The file tensor of a parameter of the PEFT-wrapped model: the adapter's (LoRA, modules_to_save) or the
     base's (`base_layer`, `original_module`)."""
     if ".lora_" in name or ".modules_to_save." in name:
@@ -70,11 +69,11 @@ def _peft_tensor(name: str, base: dict[str, Stored], adapter: dict[str, Stored])
     return base.get(plain)
 
 
-def _sources(model: torch.nn.Module, find: Callable[[str], Stored | None], where: str) -> dict[str, Source]:
+def _sources(model: torch.nn.Module, find: Callable[[str], FileTensor | None], where: str) -> dict[str, Source]:
     """A reader for every parameter name (tied names share one), its value padded with zero rows when the files
     hold fewer rows than the model (an embedding the adapter replaces)."""
     named = list(model.named_parameters(remove_duplicate=False))
-    found: dict[int, Stored] = {}
+    found: dict[int, FileTensor] = {}
     for name, param in named:
         if (tensor := find(name)) is not None:
             found.setdefault(id(param), tensor)
@@ -82,7 +81,7 @@ def _sources(model: torch.nn.Module, find: Callable[[str], Stored | None], where
     if missing:
         raise ValueError(f"{where}: no tensor in the files for {missing[:5]}")
 
-    def reader(tensor: Stored, shape: torch.Size) -> Source:
+    def reader(tensor: FileTensor, shape: torch.Size) -> Source:
         def read() -> torch.Tensor:
             value = tensor.read().float()
             if value.shape == shape:

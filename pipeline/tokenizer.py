@@ -15,6 +15,13 @@ HF_TOKENIZER = "tokenizer.json"
 META = "pipeline_tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)  # what travels with checkpoints and adapters
+BPE_FILES = ("vocab.json", "merges.txt")  # GPT-2-style tokenizers saved without tokenizer.json
+
+
+def find_tokenizer(folders: list[Path | None]) -> Path | None:
+    """The first of `folders` that holds tokenizer files (None entries skipped), else None."""
+    markers = (HF_TOKENIZER, SP_MODEL, "tokenizer_config.json", BPE_FILES[0])
+    return next((Path(f) for f in folders if f is not None and any((Path(f) / m).is_file() for m in markers)), None)
 
 
 def load_tokenizer(path: Path, gguf_file: str | None = None):

@@ -20,6 +20,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         "zero_stage": source["zero_stage"],
     }
     write_json(args.metrics, metrics)
+    for note in manifest["notes"]:
+        print(f"consolidate: note: {note}")
     print(f"consolidate: {source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s)) -> {metrics}")
     return metrics
 

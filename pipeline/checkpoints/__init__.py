@@ -1,10 +1,16 @@
 """Checkpoints, one module a concern:
 
 - `folder`: a training run's checkpoint folder (tags, `latest`, trainer state, identity, pruning, RNG, saving).
-- `zero_shards`: reading a DeepSpeed ZeRO tag's shards (fp32 masters, Adam moments) without DeepSpeed.
+- `locate`: what a user points consolidate/convert at (ours, a DeepSpeed save_dir, HF Trainer folders, a tag) ->
+  the tag folder to read.
+- `shard_files`: a DeepSpeed tag's files (which is which, one save or refused) and loading them without DeepSpeed.
+- `zero_shards`: the fp32 masters (and Adam moments) of a tag's partitioned optimizer shards (ZeRO-1/2/3,
+  BF16_Optimizer); `zero0_masters`: those ZeRO-0 keeps whole in the model-state file (fused, unfused, plain).
+- `mapped`: torch.save files read memory-mapped, pages handed back once copied.
 - `universal`: DeepSpeed's universal layout, written from the shards and loaded into an engine of any layout.
 - `zero_writer`: a universal checkpoint -> the ZeRO layout of N ranks (the ranks build and save an engine).
-- `adapter`: the PEFT adapter format (file names, config, tensor names).
+- `adapter`: the PEFT adapter format (file names, config, tensor names, other trainers' variants read into it).
 - `consolidate`: a ZeRO tag -> a PEFT adapter folder, verified.
-- `safetensors_stream`: safetensors files read and written one tensor at a time.
+- `safetensors_stream`: safetensors files read and written one tensor at a time; `model_files`: an HF model
+  folder's tensors in any format (safetensors or weights-only torch pickles) behind one interface.
 """

@@ -1,14 +1,19 @@
-"""The PEFT adapter format: file names, the LoRA config, and tensor names as `save_pretrained` writes them."""
+"""The PEFT adapter format: file names, the LoRA config, and tensor names as `save_pretrained` writes them
+(`base_model.model.<module>.lora_A.weight`, modules_to_save as `base_model.model.<module>.weight`). Adapters other
+trainers saved are read into that form: `adapter_model.safetensors` or `.bin`, names with or without the
+`base_model.model.` prefix or with the adapter's name (`.default.`) left in."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pipeline.atomic import read_json
-from pipeline.checkpoints.safetensors_stream import Stored, stored
+from pipeline.checkpoints.model_files import FileTensor, tensors_of
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+WEIGHTS_BIN = "adapter_model.bin"
 PREFIX = "base_model.model."  # every tensor name of a saved causal-LM adapter starts with it
 
 
@@ -23,16 +28,80 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def read(adapter_dir: Path) -> tuple[dict, dict[str, Stored]]:
-    """An adapter folder's config and tensors (not read yet)."""
-    config_path, weights_path = adapter_dir / CONFIG, adapter_dir / WEIGHTS
+def weights_file(adapter_dir: Path) -> Path:
+    """The adapter's tensor file: adapter_model.safetensors, else adapter_model.bin."""
+    for name in (WEIGHTS, WEIGHTS_BIN):
+        if (adapter_dir / name).is_file():
+            return adapter_dir / name
+    raise FileNotFoundError(f"{adapter_dir / WEIGHTS}: missing (nor {WEIGHTS_BIN}); expected the adapter's tensors")
+
+
+def read(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
+    """An adapter folder's config and tensors (not read yet), under PEFT's saved names."""
+    config_path = adapter_dir / CONFIG
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: missing; expected the adapter's LoRA config")
-    if not weights_path.is_file():
-        raise FileNotFoundError(f"{weights_path}: missing; expected the adapter's tensors")
-    return read_config(config_path), stored(weights_path)
+    return read_config(config_path), read_tensors(adapter_dir)[0]
+
+
+def read_tensors(adapter_dir: Path) -> tuple[dict[str, FileTensor], bool]:
+    """The adapter's tensors under PEFT's saved names, and whether the file already uses those names (then PEFT's
+    own loader reads it as it is)."""
+    path = weights_file(adapter_dir)
+    found = tensors_of(path)
+    tensors = canonical_names(found, path)
+    return tensors, set(found) == set(tensors)
 
 
 def peft_key(name: str, adapter: str = "default") -> str:
     """An engine parameter name as PEFT's save_pretrained writes it (no adapter name, no modules_to_save.)."""
     return name.replace(f"modules_to_save.{adapter}.", "").replace(f".{adapter}.", ".")
+
+
+def canonical_names(tensors: dict[str, FileTensor], where: Path) -> dict[str, FileTensor]:
+    """The tensors under PEFT's saved names; two names that become one must hold the same values."""
+    out: dict[str, FileTensor] = {}
+    for name, tensor in tensors.items():
+        key = peft_key(name if name.startswith(PREFIX) else PREFIX + name)
+        if key in out and out[key].digest() != tensor.digest():
+            raise ValueError(f"{where}: two different tensors are both {key} once named as PEFT saves them")
+        out.setdefault(key, tensor)
+    return out
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """PEFT's rule for rank_pattern/alpha_pattern: the first pattern that matches the end of the module name wins."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _matches(module: str, targets) -> bool:
+    """PEFT's target rule: a list names module suffixes, a string is a regular expression over the whole name."""
+    if isinstance(targets, str):
+        return targets == "all-linear" or re.fullmatch(targets, module) is not None
+    return any(module == t or module.endswith(f".{t}") for t in targets or [])
+
+
+def check_config(config: dict, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """The tensors (PEFT names -> shapes) are an adapter of this config: every LoRA module is a target with the
+    config's rank, every other tensor belongs to a modules_to_save module. (A target that matches nothing is
+    allowed, as PEFT allows it.)"""
+    lora: dict[str, int] = {}
+    for key, shape in shapes.items():
+        name = key.removeprefix(PREFIX)
+        if ".lora_A." in name:
+            lora[name.split(".lora_A.")[0]] = shape[0]
+        elif ".lora_B." not in name and not _matches(name.rsplit(".", 1)[0], config.get("modules_to_save") or []):
+            raise ValueError(
+                f"{where}: {key} is neither LoRA nor in modules_to_save {config.get('modules_to_save')} of the "
+                f"adapter config (a config of another model or run?)"
+            )
+    targets = config.get("target_modules")
+    for module, rank in lora.items():
+        if not _matches(module, targets):
+            raise ValueError(f"{where}: LoRA module {module} is not among target_modules {targets} of the config")
+        expected = pattern_value(config.get("rank_pattern") or {}, module, config.get("r"))
+        if rank != expected:
+            raise ValueError(f"{where}: LoRA module {module} has rank {rank}, the adapter config says {expected}")

@@ -83,6 +83,10 @@ class Stored:
     def shape(self) -> list[int]:
         return self.header[self.name]["shape"]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.header[self.name]["dtype"]]
+
     def read(self) -> torch.Tensor:
         """The tensor, read with plain file reads (no memory map: the file's pages never count as ours)."""
         entry = self.header[self.name]
@@ -122,16 +126,4 @@ def stored(path: Path) -> dict[str, Stored]:
     return {name: Stored(path, name, header, start) for name in header}
 
 
-INDEX = "model.safetensors.index.json"
-
-
-def model_tensors(base_dir: Path) -> dict[str, Stored]:
-    """Every tensor of an HF model folder, in shard order, from the safetensors headers only."""
-    index = base_dir / INDEX
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    elif (base_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{base_dir}: no model.safetensors or {INDEX}; expected an HF model folder")
-    return {name: tensor for shard in shards for name, tensor in stored(base_dir / shard).items()}
+INDEX = "model.safetensors.index.json"  # the shards of a model saved in several files
