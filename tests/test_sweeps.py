@@ -20,7 +20,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipeline.atomic import read_json
-from pipeline.processes import free_port
+from pipeline.processes import free_port, with_venv_path
 from tests.conftest import REPO
 from tools.repro_check import sh
 
@@ -98,13 +98,20 @@ def queued(project, tiny_pipeline) -> list:
     each training on a free port of its own and logging into the one SQLite store."""
     overrides = [x for o in tiny_pipeline.overrides for x in ("-S", o)]
     sh(["dvc", "exp", "run", "--queue", *overrides, "-S", "train.lr=2e-3,3e-3"], project)
-    sh(["dvc", "queue", "start", "-j", "2"], project)
+    # The workers are daemons that keep the stdout they were given: a pipe would never reach its end.
+    subprocess.run(
+        ["dvc", "queue", "start", "-j", "2"], cwd=project, env=with_venv_path(), check=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        status = sh(["dvc", "queue", "status"], project).stdout
-        if "Queued" not in status and "Running" not in status:
-            break
-        time.sleep(5)
+    try:
+        while time.monotonic() < deadline:
+            status = sh(["dvc", "queue", "status"], project).stdout
+            if "Queued" not in status and "Running" not in status:
+                break
+            time.sleep(5)
+    finally:
+        sh(["dvc", "queue", "stop"], project, check=False)  # a worker left idle would outlive the tests
     assert status.count("Success") == 2, status
     names = [line.split()[1] for line in status.splitlines() if "Success" in line]
     found = [r for r in runs(project) if r.data.tags.get("dvc.experiment") in names]

@@ -144,7 +144,6 @@ def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
         (["lora.target_modules=[q_proj,vproj]"], "lora.target_modules: ['vproj'] match no Linear layer; available: "),
         (["train.resize_embeddings=false"], "train.resize_embeddings: false, but the tokenizer has"),
         (["lora.modules_to_save=[]"], "lora.modules_to_save: the vocabulary grows from 49152 to "),
-        (["train.precision=fp16"], "train.precision: fp16 is not supported on cpu; expected one of ['bf16', 'fp32']"),
         (["deepspeed.stage=5"], "deepspeed.stage: input should be 0, 1, 2 or 3, got 5"),
     ],
 )  # fmt: skip
@@ -158,6 +157,23 @@ def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overri
     with pytest.raises(ValueError) as err:
         train_stage.main(args, config.load(args.params))
     assert message in str(err.value)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _cpu_has_fp16() -> bool:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+@pytest.mark.skipif(_cpu_has_fp16(), reason="this CPU computes fp16 (AVX512-FP16): no precision to refuse here")
+def test_a_precision_the_cpu_cannot_train_in_is_refused(tmp_path, inputs, tiny_base_dir):
+    done = train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "train.precision=fp16"], check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "train.precision: fp16 is not supported on cpu; expected one of ['bf16', 'fp32']" in done.stderr
     assert not (tmp_path / "checkpoints").exists()
 
 
