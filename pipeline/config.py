@@ -50,6 +50,7 @@ class DataConfig(Section):
     format: Literal["text", "alpaca", "chat"]
     train_file: str
     heldout_file: str
+    heldout_fraction: float = Field(gt=0.0, lt=1.0)
     validation_fraction: float = Fraction
     block_size: int = PositiveInt
     tail: Literal["drop", "pad"]
@@ -301,6 +302,8 @@ INEFFECTIVE = (
     (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
      "data.format is text (packed blocks of data.block_size tokens)"),
     (lambda c: c.data.format != "text", ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.heldout_file != c.data.train_file, ("data.heldout_fraction",),
+     "data.heldout_file is a file of its own (the fraction applies when it is data.train_file)"),
 )  # fmt: skip
 REFUSED_IF_INEFFECTIVE = ("tokenizer.", "merge.", "launcher.")  # the others only warn (experiments set them all)
 
