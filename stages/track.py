@@ -31,9 +31,11 @@ def stage_tags(lock: dict, logged_tags: dict[str, str], current: str) -> dict[st
     for name, entry in lock.get("stages", {}).items():
         if name == current:
             continue
-        tags[f"dvc.stage.{name}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
-        if logged_tags.get(f"stage.{name}") != "ran":
-            tags[f"stage.{name}"] = "cached"
+        key = name.replace("@", ".")  # eval_set@NAME: MLflow keys take no "@"
+        tags[f"dvc.stage.{key}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+        logs = "--run-id-file" in entry.get("cmd", "")  # check and eval_set@NAME log nothing of their own
+        if logs and logged_tags.get(f"stage.{key}") != "ran":
+            tags[f"stage.{key}"] = "cached"
     return tags
 
 
