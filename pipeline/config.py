@@ -50,6 +50,7 @@ class DataConfig(Section):
     format: Literal["text", "alpaca", "chat"]
     train_file: str
     heldout_file: str
+    heldout_fraction: float = Field(gt=0.0, lt=1.0)
     validation_fraction: float = Fraction
     block_size: int = PositiveInt
     tail: Literal["drop", "pad"]
@@ -194,10 +195,51 @@ class Config(Section):
     launcher: LauncherConfig
 
 
+def _known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:
+    """Every dotted key the schema knows ("lora.r", "train.lr", ...)."""
+    model = model or Config
+    keys = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += _known_keys(annotation, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+# Names other tools give our keys (HF Trainer, PEFT, LLaMA-Factory): the key a user most likely meant.
+SYNONYMS = {
+    "learning_rate": "lr", "rank": "r", "lora_r": "r", "lora_rank": "r", "lora_alpha": "alpha",
+    "lora_dropout": "dropout", "lora_target": "target_modules", "per_device_train_batch_size": "micro_batch_size",
+    "batch_size": "micro_batch_size", "num_train_epochs": "max_steps", "epochs": "max_steps", "bf16": "precision",
+    "fp16": "precision", "zero_stage": "stage", "cutoff_len": "max_seq_len", "seq_len": "block_size",
+}  # fmt: skip
+
+
+def closest_key(key: str) -> str | None:
+    """The known key a misspelled one most likely meant ("lora.rank" -> "lora.r")."""
+    import difflib
+
+    known = _known_keys()
+    group, _, leaf = key.rpartition(".")
+    synonym = f"{group}.{SYNONYMS.get(leaf)}" if group else None
+    if synonym in known:
+        return synonym
+    same_group = [k for k in known if k.rpartition(".")[0] == group]
+    match = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in same_group], n=1, cutoff=0.3)
+    if match:
+        return f"{group}.{match[0]}" if group else match[0]
+    match = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
 def _describe(error: dict, source: str) -> str:
     key = ".".join(str(p) for p in error["loc"])
     if error["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{key}'"
+        suggestion = closest_key(key)
+        hint = f"; did you mean '{suggestion}'?" if suggestion else ""
+        return f"{source}: unknown key '{key}'{hint}"
     if error["type"] == "missing":
         return f"{source}: missing key '{key}'"
     if error["type"] == "value_error":
@@ -249,3 +291,36 @@ def write_params(path: Path | str = "params.yaml", config_dir: Path | str = "con
 
 if __name__ == "__main__":
     write_params("params.yaml", "conf", sys.argv[1:])
+
+
+# Keys that do nothing in some configurations: (condition on the config, the keys, why).
+INEFFECTIVE = (
+    (lambda c: not c.tokenizer.extend, ("tokenizer.vocab_size", "tokenizer.model_type",
+     "tokenizer.character_coverage", "tokenizer.max_train_chars"), "tokenizer.extend is false (tokenizer=extend_zh)"),
+    (lambda c: not c.merge.verify, ("merge.max_abs_logit_diff", "merge.max_kl"), "merge.verify is false"),
+    (lambda c: c.launcher.num_nodes == 1, ("launcher.hostfile", "launcher.node_rank"), "launcher.num_nodes is 1"),
+    (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
+     "data.format is text (packed blocks of data.block_size tokens)"),
+    (lambda c: c.data.format != "text", ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.heldout_file != c.data.train_file, ("data.heldout_fraction",),
+     "data.heldout_file is a file of its own (the fraction applies when it is data.train_file)"),
+)  # fmt: skip
+REFUSED_IF_INEFFECTIVE = ("tokenizer.", "merge.", "launcher.")  # the others only warn (experiments set them all)
+
+
+def _value(config: Config, key: str):
+    group, name = key.split(".")
+    return getattr(getattr(config, group), name)
+
+
+def ineffective(config: Config, defaults: Config) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for keys set away from their default where, in this configuration, they do nothing."""
+    errors, warnings = [], []
+    for applies, keys, why in INEFFECTIVE:
+        if not applies(config):
+            continue
+        for key in keys:
+            if _value(config, key) != _value(defaults, key):
+                message = f"{key}={_value(config, key)!r} has no effect: {why}"
+                (errors if key.startswith(REFUSED_IF_INEFFECTIVE) else warnings).append(message)
+    return errors, warnings

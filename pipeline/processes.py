@@ -9,11 +9,53 @@ import sys
 from pathlib import Path
 
 
+def extensions_dir() -> Path:
+    """Where DeepSpeed's JIT-built ops (CPU Adam, the CPU all-reduce) live: inside this virtual environment. Shared
+    under ~/.cache/torch_extensions, two environments rebuild each other's ops at every launch (about a minute)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path(sys.prefix) / "torch_extensions")
+
+
 def with_venv_path(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: os.environ) with this interpreter's bin folder first on PATH."""
+    """`env` (default: os.environ) with this interpreter's bin folder first on PATH and its own ops folder."""
     env = dict(os.environ if env is None else env)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     return env
+
+
+def clear_stale_build_locks(folder: Path | None = None, older_than: float = 30.0) -> list[Path]:
+    """Remove the lock of an op build nobody is running any more. torch guards a JIT build with a `lock` file that
+    only the builder removes: a launch killed while building (SIGKILL) leaves it, and from then on every launch
+    waits for it forever, without a word. A lock is stale when it is older than `older_than` seconds and no living
+    process works in its build folder (the compiler runs there)."""
+    import time
+
+    import psutil
+
+    removed = []
+    for lock in (folder or extensions_dir()).glob("*/lock"):
+        if time.time() - lock.stat().st_mtime < older_than:
+            continue
+        build = lock.parent.resolve()
+        busy = False
+        for process in psutil.process_iter():
+            try:
+                busy = Path(process.cwd()).resolve().is_relative_to(build)
+            except (psutil.Error, OSError):
+                continue
+            if busy:
+                break
+        if not busy:
+            lock.unlink(missing_ok=True)
+            print(f"note: removed {lock}, left by a DeepSpeed op build that was killed", file=sys.stderr)
+            removed.append(lock)
+    return removed
+
+
+def before_launch() -> None:
+    """What a DeepSpeed launch needs cleared first: stale op-build locks and finished launches' shared memory."""
+    clear_stale_build_locks()
+    remove_stale_shm_buffers()
 
 
 def free_port() -> int:
@@ -56,3 +98,19 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def build_ops() -> None:
+    """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload),
+    so that no stage pays for it or can be killed in the middle of it (`make setup` runs this)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    clear_stale_build_locks()
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+
+    for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
+        builder.load(verbose=False)
+
+
+if __name__ == "__main__":
+    build_ops()

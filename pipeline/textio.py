@@ -71,3 +71,22 @@ def read_texts(path: Path | str) -> list[str]:
         texts += [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
         texts += [v for v in row.values() if isinstance(v, str) and v]
     return texts
+
+
+REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}  # of each JSONL data format
+
+
+def held_out(items: list, fraction: float) -> tuple[list, list]:
+    """(training part, held-out part) of a file's documents or rows: the last `fraction` of them (at least one) is
+    held out; how one file serves as both when no held-out file is given."""
+    count = max(1, round(len(items) * fraction))
+    if count >= len(items):
+        raise ValueError(f"data.heldout_fraction: {fraction} of {len(items)} item(s) leaves nothing to train on")
+    return items[:-count], items[-count:]
+
+
+def read_data(path: Path | str, data_format: str) -> list:
+    """A data file as its format reads: `text` documents (one per line), else JSONL rows with the format's fields."""
+    if data_format == "text":
+        return read_documents(path)
+    return read_jsonl(path, REQUIRED_FIELDS.get(data_format, ()))

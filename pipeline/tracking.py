@@ -32,6 +32,8 @@ HTTP_DEFAULTS = {
 LOCK_PATIENCE_S = 10.0
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")
 SQLITE = "sqlite:///"
+# MLflow 3's UI files an experiment by its kind: model fine-tuning, not GenAI "evaluation runs".
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "finetuning"}
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -171,6 +173,28 @@ class Tracker:
         found: list = []
         self._call("get_metric_history", lambda: found.extend(self.client.get_metric_history(self.run_id, key)))
         return {m.step for m in found}
+
+    def describe(self, markdown: str) -> None:
+        """The run's description, shown at the top of its page in the MLflow UI."""
+        self.set_tags({"mlflow.note.content": markdown})
+
+    def log_datasets(self, datasets: list[dict[str, str]]) -> None:
+        """Datasets as the run's inputs: each {"name", "digest", "source", "context"} (context: training or
+        evaluation), so that the run page lists what it was trained and evaluated on."""
+
+        def log() -> None:
+            from mlflow.entities import Dataset, DatasetInput, InputTag
+
+            inputs = [
+                DatasetInput(
+                    Dataset(name=d["name"], digest=d["digest"][:36], source_type="local", source=d["source"]),
+                    tags=[InputTag("mlflow.data.context", d["context"])],
+                )
+                for d in datasets
+            ]
+            self.client.log_inputs(self.run_id, datasets=inputs)
+
+        self._call("log_inputs", log)
 
     def register_model(self, name: str, artifact_path: str) -> str | None:
         """Register the run's artifact folder `artifact_path` as a new version of model `name`; its version."""
@@ -335,13 +359,16 @@ def _create(client: Any, experiment: str, *, run_name: str | None, tags: dict, a
     if found is None:
         location = f"{artifact_root}/{_BAD_KEY_CHARS.sub('_', experiment)}" if artifact_root else None
         try:
-            experiment_id = client.create_experiment(experiment, artifact_location=location)
+            experiment_id = client.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_TAGS)
         except MlflowException as err:
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             experiment_id = client.get_experiment_by_name(experiment).experiment_id
     else:
         experiment_id = found.experiment_id
+        for key, value in EXPERIMENT_TAGS.items():
+            if found.tags.get(key) != value:
+                client.set_experiment_tag(experiment_id, key, value)
     return client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from pipeline import config
 from pipeline.errors import guarded
+from pipeline.quiet import quiet_third_parties
 from pipeline.tracking import Tracker, flatten, numeric_leaves, open_run, runtime_tags
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
@@ -66,6 +67,7 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
 
     With `prefix`, the stage logs into the pipeline's MLflow run: the flat config, runtime tags, `stage.NAME=ran`,
     its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if `main` raises)."""
+    quiet_third_parties()
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     if prefix is not None:
         parser.add_argument("--run-id-file", type=Path, required=True, help="the pipeline's MLflow run id (JSON)")

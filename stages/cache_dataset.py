@@ -7,11 +7,15 @@ from pathlib import Path
 from pipeline import config
 from pipeline.atomic import atomic_path, read_json, write_json
 from pipeline.dataset import build_instruction, build_pretraining, save_splits
-from pipeline.textio import read_documents, read_jsonl
+from pipeline.textio import held_out, read_data
 from pipeline.tokenizer import load_tokenizer
 from stages._common import run
 
-REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}
+
+def training_items(d: config.DataConfig) -> list:
+    """The training file's documents (or rows), less the held-out part when it is also the held-out file."""
+    items = read_data(d.train_file, d.format)
+    return held_out(items, d.heldout_fraction)[0] if d.heldout_file == d.train_file else items
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -23,7 +27,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
     start = time.perf_counter()
     if d.format == "text":
-        documents = read_documents(d.train_file)
+        documents = training_items(d)
         tables, stats = build_pretraining(
             tokenizer,
             documents,
@@ -33,7 +37,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             seed=d.seed,
         )
     else:
-        rows = read_jsonl(d.train_file, REQUIRED_FIELDS[d.format])
+        rows = training_items(d)
         tables, stats = build_instruction(
             tokenizer,
             rows,

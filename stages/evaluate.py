@@ -6,15 +6,61 @@ import json
 from pathlib import Path
 
 from pipeline import config
-from pipeline.atomic import atomic_path, write_json
+from pipeline.atomic import atomic_path, read_json, write_json
 from stages._common import run
 
 
-def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+def proven(merged: Path) -> str | None:
+    """Why scoring base + adapter again is unnecessary: the merge proof that passed (None: it did not run)."""
+    report = merged / "merge_report.json"
+    gap = read_json(report).get("verification") if report.is_file() else None
+    if not gap or gap["max_abs_logit_diff"] > gap["limit_abs"] or gap["mean_kl"] > gap["limit_kl"]:
+        return None
+    return f"merged (the merge proof passed: max |logit diff| {gap['max_abs_logit_diff']:.2g})"
+
+
+def score_model(cfg: config.Config, args: argparse.Namespace, name: str, folder: Path, adapter, tokenizer_dir):
+    """One model's figures on every set, and its greedy samples."""
     from pipeline import evaluate as ev
     from pipeline.tokenizer import load_tokenizer
 
     e = cfg.eval
+    tokenizer = load_tokenizer(tokenizer_dir)
+    model = ev.load_model(folder, adapter, precision=e.precision)
+    ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
+    figures = {}
+    for set_name, path in e.sets.items():
+        examples = ev.load_examples(
+            tokenizer,
+            args.sets / set_name / Path(path).name,
+            template=cfg.data.prompt_template,
+            max_bytes=e.max_bytes,
+            context=e.context,
+            key=f"eval.sets.{set_name}",
+        )
+        scored = ev.score(
+            model, examples, context=e.context, stride=e.stride, batch_size=e.batch_size, desc=f"{name}/{set_name}"
+        )
+        figures[set_name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
+    return figures, ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
+
+
+def write_outputs(args: argparse.Namespace, prompts: list[str], results: dict, samples: dict) -> None:
+    write_json(args.metrics, results)
+    rows = ["bar,set,model,bits_per_byte,perplexity"]  # one bar per set and model
+    for set_name, by_model in results.items():
+        rows += [f"{set_name} / {m},{set_name},{m},{v['bits_per_byte']},{v['perplexity']}" for m, v in by_model.items()]
+    with atomic_path(args.plot) as tmp:
+        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    lines = ["# Greedy samples", ""]
+    for i, prompt in enumerate(prompts):
+        answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
+        lines += [f"## {prompt}", "", *answers, ""]
+    with atomic_path(args.samples) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     models = {
         "base": (args.base, None, args.base_tokenizer),
         "adapter": (args.base, args.adapter, args.adapter),
@@ -24,52 +70,25 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         for path in (folder, adapter):
             if path is not None and not path.is_dir():
                 raise FileNotFoundError(f"{path}: missing model folder for '{name}'")
-    results: dict[str, dict] = {s: {} for s in e.sets}
+    same_as_merged = proven(args.merged)
+    results: dict[str, dict] = {s: {} for s in cfg.eval.sets}
     samples: dict[str, list[str]] = {}
     for name, (folder, adapter, tokenizer_dir) in models.items():
-        tokenizer = load_tokenizer(tokenizer_dir)
-        sets = {
-            s: ev.load_examples(
-                tokenizer,
-                Path(p),
-                template=cfg.data.prompt_template,
-                max_bytes=e.max_bytes,
-                context=e.context,
-                key=f"eval.sets.{s}",
-            )
-            for s, p in e.sets.items()
-        }
-        model = ev.load_model(folder, adapter, precision=e.precision)
-        ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
-        for set_name, examples in sets.items():
-            scored = ev.score(
-                model,
-                examples,
-                context=e.context,
-                stride=e.stride,
-                batch_size=e.batch_size,
-                desc=f"evaluate {name}/{set_name}",
-            )
-            results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
-        samples[name] = ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
-        del model
-    write_json(args.metrics, results)
-    rows = ["set,model,bits_per_byte,perplexity"]
-    rows += [f"{s},{m},{v['bits_per_byte']},{v['perplexity']}" for s, by in results.items() for m, v in by.items()]
-    with atomic_path(args.plot) as tmp:
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    lines = ["# Greedy samples", ""]
-    for i, prompt in enumerate(e.prompts):
-        answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
-        lines += [f"## {prompt}", "", *answers, ""]
-    with atomic_path(args.samples) as tmp:
-        tmp.write_text("\n".join(lines), encoding="utf-8")
-    print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8} {'bytes':>8}")
+        if name == "adapter" and same_as_merged:
+            continue
+        figures, samples[name] = score_model(cfg, args, name, folder, adapter, tokenizer_dir)
+        for set_name, values in figures.items():
+            results[set_name][name] = values
+    if same_as_merged:
+        samples["adapter"] = samples["merged"]
+        for by_model in results.values():
+            by_model["adapter"] = {**by_model["merged"], "scored_as": same_as_merged}
+    write_outputs(args, cfg.eval.prompts, results, samples)
+    print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8}")
     for s, by in results.items():
         for m, v in by.items():
-            print(
-                f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8} {v['bytes']:>8}"
-            )
+            note = "  (= merged: proof passed)" if "scored_as" in v else ""
+            print(f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8}{note}")
     return results
 
 
@@ -80,6 +99,7 @@ if __name__ == "__main__":
         ("base-tokenizer", "the base's own tokenizer"),
         ("adapter", "consolidated adapter folder (with its tokenizer)"),
         ("merged", "merged model folder"),
+        ("sets", "folder of the evaluation sets, one subfolder per name (written by eval_set@NAME)"),
         ("metrics", "eval.json to write"),
         ("plot", "CSV of bits per byte per set and model (a DVC plot)"),
         ("samples", "Markdown file of greedy samples"),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline import config
 from pipeline.atomic import atomic_path, write_json
-from pipeline.textio import read_texts
+from pipeline.textio import held_out, read_texts
 from pipeline.tokenizer import META, load_tokenizer, round_up, tokens_per_char, write_extended
 from stages._common import run
 
@@ -15,11 +15,13 @@ from stages._common import run
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     t = cfg.tokenizer
     base = load_tokenizer(args.base)
-    heldout = read_texts(t.heldout_file)
+    training, heldout = read_texts(t.train_file), read_texts(t.heldout_file)
+    if t.heldout_file == t.train_file:  # one file for both: its last part is held out, as cache_dataset does
+        training, heldout = held_out(training, cfg.data.heldout_fraction)
     with atomic_path(args.out) as tmp:
         if t.extend:
             texts, budget = [], t.max_train_chars
-            for text in read_texts(t.train_file):
+            for text in training:
                 if budget <= 0:
                     break
                 texts.append(text[:budget])

@@ -8,6 +8,7 @@ import argparse
 import csv
 import hashlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import yaml
 
 from pipeline import config, plots
 from pipeline.atomic import read_json
-from pipeline.tracking import numeric_leaves
+from pipeline.tracking import numeric_leaves, runtime_tags
 from stages._common import announce, pipeline_run, run, stage_name
 
 CURVE_KEYS = ("loss", "lr", "val_loss", "val_perplexity")
@@ -30,9 +31,11 @@ def stage_tags(lock: dict, logged_tags: dict[str, str], current: str) -> dict[st
     for name, entry in lock.get("stages", {}).items():
         if name == current:
             continue
-        tags[f"dvc.stage.{name}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
-        if logged_tags.get(f"stage.{name}") != "ran":
-            tags[f"stage.{name}"] = "cached"
+        key = name.replace("@", ".")  # eval_set@NAME: MLflow keys take no "@"
+        tags[f"dvc.stage.{key}"] = hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest()
+        logs = "--run-id-file" in entry.get("cmd", "")  # check and eval_set@NAME log nothing of their own
+        if logs and logged_tags.get(f"stage.{key}") != "ran":
+            tags[f"stage.{key}"] = "cached"
     return tags
 
 
@@ -49,6 +52,47 @@ def missing_curve(curve_csv: Path, logged_steps: Callable[[str], set[int]]) -> d
     return series
 
 
+def description(cfg: config.Config, args: argparse.Namespace, tags: dict[str, str]) -> str:
+    """What the run is and whether it is good, for the top of its MLflow page (Markdown)."""
+    from pipeline.report import evaluation_table, merge_proof, training_summary
+
+    experiment = os.environ.get("DVC_EXP_NAME")
+    commit = tags.get("git_commit", "(no git)")
+    lines = [
+        f"**LoRA fine-tuning** of `{cfg.model.path}` on `{cfg.data.train_file}` ({cfg.data.format}), "
+        f"LoRA r={cfg.lora.r}, {cfg.train.max_steps} steps; git commit `{commit[:12]}`"
+        + (f", DVC experiment `{experiment}`" if experiment else ""),
+        "",
+    ]
+    metrics = dict(args.metrics)
+    if metrics.get("eval") and metrics["eval"].is_file():
+        lines += ["```", *evaluation_table(read_json(metrics["eval"])), "```", ""]
+    if metrics.get("train") and metrics["train"].is_file():
+        lines += [*training_summary(read_json(metrics["train"])), ""]
+    if metrics.get("merge") and metrics["merge"].is_file():
+        lines += [*merge_proof(read_json(metrics["merge"])), ""]
+    again = f"dvc exp apply {experiment} && dvc repro" if experiment else "dvc repro"
+    lines.append(f"Reproduce: `git checkout {commit[:12]} && {again}` (stages: `dvc dag`).")
+    return "\n".join(lines)
+
+
+def datasets(cfg: config.Config, lock: dict) -> list[dict[str, str]]:
+    """The training data and every evaluation set as MLflow dataset inputs, each digest the DVC hash of what the
+    pipeline made of it (the cached dataset, the copied set)."""
+
+    def digest(stage: str) -> str:
+        outs = lock.get("stages", {}).get(stage, {}).get("outs", [])
+        return outs[0]["md5"] if outs else "unknown"
+
+    found = [{"name": "training data", "digest": digest("cache_dataset"), "source": cfg.data.train_file,
+              "context": "training"}]  # fmt: skip
+    found += [
+        {"name": f"eval set {name}", "digest": digest(f"eval_set@{name}"), "source": path, "context": "evaluation"}
+        for name, path in cfg.eval.sets.items()
+    ]
+    return found
+
+
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     with pipeline_run(cfg, args.run_id_file) as tracker:
         if tracker.disabled:
@@ -63,6 +107,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
         tags = stage_tags(lock, logged_tags, stage_name())
         announce(tracker, args.params, tags)
+        tracker.set_tags({"mlflow.source.name": "dvc.yaml", "mlflow.source.type": "PROJECT"})
+        tracker.describe(description(cfg, args, {**logged_tags, **runtime_tags()}))
+        tracker.log_datasets(datasets(cfg, lock))
         figures: dict[str, float] = {}
         for prefix, path in args.metrics:
             if path.is_file():

@@ -14,7 +14,7 @@ from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import ensure_universal
 from pipeline.model import check_targets, meta_model
-from pipeline.processes import free_port, remove_stale_shm_buffers, with_venv_path
+from pipeline.processes import before_launch, free_port, remove_stale_shm_buffers, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
 from pipeline.trainer import write_curve
 from stages._common import run
@@ -157,7 +157,7 @@ def prepare_checkpoints(*, directory: Path, state: dict, resume_from: Path | Non
 
 def launch_command(launcher: config.LauncherConfig, ranks: int, worker_args: list[str]) -> list[str]:
     command = [
-        "deepspeed", "--num_gpus", str(ranks), "--num_nodes", str(launcher.num_nodes),
+        "deepspeed", "--log_level", "warning", "--num_gpus", str(ranks), "--num_nodes", str(launcher.num_nodes),
         "--master_addr", launcher.master_addr, "--master_port", str(launcher.master_port or free_port()),
     ]  # fmt: skip
     if launcher.num_nodes > 1:
@@ -183,7 +183,7 @@ def launch(args: argparse.Namespace, cfg: config.Config, resolved: dict, univers
         # A fixed mmap threshold: glibc otherwise raises it as tensors are freed, keeps activation-sized blocks in
         # its heap and never returns them (bench.train: peak RSS per rank 3.93 GB -> 3.05 GB).
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-    remove_stale_shm_buffers()
+    before_launch()
     done = subprocess.run(launch_command(cfg.launcher, ranks, worker_args), env=env)
     remove_stale_shm_buffers()
     if done.returncode != 0:

@@ -109,11 +109,16 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
     raw["eval"]["sets"] = sets
     raw["eval"]["max_new_tokens"] = 4
     (out / "params.yaml").write_text(yaml.safe_dump(raw))
+    for name, path in sets.items():  # as the eval_set stages copy them
+        (out / "sets" / name).mkdir(parents=True, exist_ok=True)
+        if Path(path).is_file():
+            shutil.copy(path, out / "sets" / name / Path(path).name)
     args = argparse.Namespace(
         base=base,
         base_tokenizer=base,
         adapter=root / "adapter",
         merged=root / "merged",
+        sets=out / "sets",
         metrics=out / "eval.json",
         plot=out / "plot.csv",
         samples=out / "samples.md",
@@ -124,10 +129,14 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
 
 @pytest.mark.integration
 def test_stage_table_for_base_adapter_and_merged(trained, tiny_base_dir, tmp_path):
+    """Base + adapter scored through PEFT equals the merged model (a merge without a proof: both are scored)."""
     from stages import evaluate as stage
 
+    unproven = tmp_path / "unproven"
+    shutil.copytree(trained, unproven)
+    (unproven / "merged" / "merge_report.json").unlink()
     sets = {"in_domain": str(trained / "in_domain.txt")}
-    stage.main(*_stage_args(trained, tiny_base_dir, sets, tmp_path))
+    stage.main(*_stage_args(unproven, tiny_base_dir, sets, tmp_path))
     table = read_json(tmp_path / "eval.json")
     assert set(table) == {"in_domain"} and set(table["in_domain"]) == {"base", "adapter", "merged"}
     base, adapter, merged = (table["in_domain"][m] for m in ("base", "adapter", "merged"))
@@ -136,6 +145,17 @@ def test_stage_table_for_base_adapter_and_merged(trained, tiny_base_dir, tmp_pat
     assert not math.isclose(adapter["bits_per_byte"], base["bits_per_byte"], rel_tol=1e-4), "the adapter did nothing"
     assert (tmp_path / "plot.csv").read_text().count("\n") == 4
     assert "**merged**" in (tmp_path / "samples.md").read_text()
+    assert "scored_as" not in adapter
+
+
+@pytest.mark.integration
+def test_adapter_is_scored_once_when_the_merge_proof_passed(trained, tiny_base_dir, tmp_path):
+    from stages import evaluate as stage
+
+    stage.main(*_stage_args(trained, tiny_base_dir, {"in_domain": str(trained / "in_domain.txt")}, tmp_path))
+    adapter, merged = (read_json(tmp_path / "eval.json")["in_domain"][m] for m in ("adapter", "merged"))
+    assert adapter["scored_as"].startswith("merged (the merge proof passed")
+    assert {k: v for k, v in adapter.items() if k != "scored_as"} == merged
 
 
 @pytest.mark.integration

@@ -206,10 +206,19 @@ def test_compare_runs_view_in_a_real_browser(ui, queued):
             time.sleep(0.5)
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))
+        run = queued[0]
+        browser.get(f"{ui}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+        page = ""
+        deadline = time.monotonic() + 90
+        while "LoRA fine-tuning" not in page and time.monotonic() < deadline:
+            page = browser.find_element("tag name", "body").text
+            time.sleep(0.5)
+        browser.save_screenshot(str(SCREENSHOT.with_name("run_page.png")))
     finally:
         browser.quit()
     assert expected <= seen, f"missing on the page: {expected - seen}"
     assert {r.info.run_name for r in queued} <= seen, "both runs are compared"
+    assert "LoRA fine-tuning" in page and "bits/byte" in page, "the run page says what the run is and how good"
 
 
 def test_unreachable_tracking_server_warns_once_and_the_run_is_logged_later(project, tiny_pipeline):

@@ -22,6 +22,7 @@ NOT_DEPENDENCIES = {
     "pipeline/errors.py": "printing bad input as one line and exiting",
     "pipeline/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
     "pipeline/processes.py": "PATH and a free port for child processes",
+    "pipeline/quiet.py": "silencing third-party warnings and progress bars",
 }
 
 
@@ -64,15 +65,20 @@ def closure(entry: str, root: Path = REPO) -> set[Path]:
     return {known[name].relative_to(root) for name in seen if known[name].name != "__init__.py"}
 
 
+def _stages(root: Path) -> dict[str, dict]:
+    """dvc.yaml's stages, a `foreach` stage by its `do` template."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    return {name: stage.get("do", stage) for name, stage in stages.items()}
+
+
 def stage_entries(root: Path = REPO) -> dict[str, str]:
     """{stage: entry module} from the `python -m MODULE` of each stage's cmd in dvc.yaml."""
-    stages = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
-    return {name: re.search(r"python -m (\S+)", stage["cmd"])[1] for name, stage in stages.items()}
+    return {name: re.search(r"python -m (\S+)", stage["cmd"])[1] for name, stage in _stages(root).items()}
 
 
 def listed(root: Path = REPO) -> dict[str, set[Path]]:
     """{stage: the .py files of ours among its deps in dvc.yaml}."""
-    stages = yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    stages = _stages(root)
     return {
         name: {Path(d) for d in stage.get("deps", []) if d.endswith(".py") and d.split("/")[0] in PACKAGES}
         for name, stage in stages.items()

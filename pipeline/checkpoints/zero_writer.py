@@ -18,7 +18,13 @@ from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import MANIFEST, is_universal, load_universal, refuse_existing
-from pipeline.processes import free_port, leave_process_group, remove_stale_shm_buffers, with_venv_path
+from pipeline.processes import (
+    before_launch,
+    free_port,
+    leave_process_group,
+    remove_stale_shm_buffers,
+    with_venv_path,
+)
 
 
 def to_zero(
@@ -41,7 +47,7 @@ def to_zero(
     with atomic_path(out_dir) as tmp:
         arguments = ["--universal", universal, "--out", tmp, "--base", base, "--zero-stage", zero_stage]
         command = [*launcher, "--module", "pipeline.checkpoints.zero_writer", *map(str, arguments)]
-        remove_stale_shm_buffers()
+        before_launch()
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         remove_stale_shm_buffers()
         if done.returncode:

@@ -1,0 +1,45 @@
+"""The pipeline's results as text under 100 columns: the evaluation table, the training summary, the merge proof
+(for the terminal, `python -m tools.report`, and for the MLflow run's description)."""
+
+from __future__ import annotations
+
+
+def _number(value, digits: int = 4) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, float) else "-" if value is None else str(value)
+
+
+def evaluation_table(evaluation: dict) -> list[str]:
+    """Set x model: bits per byte, perplexity, tokens, and task accuracy where the evaluation has it."""
+    lines = [f"{'set':<16}{'model':<9}{'bits/byte':>11}{'perplexity':>12}{'tokens':>9}{'accuracy':>16}"]
+    for name, models in evaluation.items():
+        for model, figures in models.items():
+            accuracy = figures.get("acc")
+            shown = "-" if accuracy is None else f"{accuracy:.3f} ± {figures.get('acc_stderr', 0):.3f}"
+            lines.append(
+                f"{name[:15]:<16}{model[:8]:<9}{_number(figures.get('bits_per_byte')):>11}"
+                f"{_number(figures.get('perplexity'), 2):>12}{_number(figures.get('tokens')):>9}{shown:>16}"
+            )
+    return lines
+
+
+def training_summary(train: dict) -> list[str]:
+    steps = f"{train.get('steps')} steps ({train.get('world_size')} rank(s), ZeRO-{train.get('zero_stage')}, "
+    steps += f"{train.get('precision')})"
+    lines = [
+        f"training: {steps}, loss {_number(train.get('final_train_loss'))}, "
+        f"validation {_number(train.get('val_loss'))}",
+        f"  {_number(train.get('tokens_per_s'), 1)} tokens/s, {_number(train.get('train_seconds'), 1)} s of steps, "
+        f"peak {_number(train.get('peak_memory_mb'), 0)} MB per rank",
+    ]
+    if train.get("reused_checkpoint"):
+        lines.append(f"  figures of the run that trained {train['reused_checkpoint']} (this run found it final)")
+    return lines
+
+
+def merge_proof(merge: dict) -> list[str]:
+    if "max_abs_logit_diff" not in merge:
+        return ["merge: not verified (merge.verify=false)"]
+    return [
+        f"merge proof: max |logit diff| {merge['max_abs_logit_diff']:.2e} (limit {merge['limit_abs']:g}), "
+        f"mean KL {merge['mean_kl']:.1e} (limit {merge['limit_kl']:g}) on {merge['tokens']} tokens"
+    ]

@@ -1,0 +1,69 @@
+"""Stage check (the first): the whole configuration and every input file it names, checked before any stage runs,
+so that a bad value stops the pipeline before DVC deletes a single output. Unknown keys get the closest known one
+suggested; keys set where they have no effect are refused (or warned about) by name; files are read as the stages
+will read them."""
+
+import argparse
+from pathlib import Path
+
+from pipeline import assets, config
+from pipeline.atomic import write_json
+from pipeline.textio import read_data
+from stages._common import run
+
+
+def produced(path: str, outputs: list[Path]) -> bool:
+    """Whether `path` lies in a folder an earlier stage writes (it need not exist yet)."""
+    return any(Path(path).resolve().is_relative_to(out.resolve()) for out in outputs)
+
+
+def check_file(key: str, path: str, data_format: str) -> None:
+    """`path` read as the stage that uses it will: text lines, or JSONL rows of the format's fields."""
+    try:
+        read_data(path, data_format)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"{key}: {err}") from None
+
+
+def inputs(cfg: config.Config) -> list[tuple[str, str, str]]:
+    """(key, path, format) of every input file the configuration names."""
+    d, t = cfg.data, cfg.tokenizer
+    files = [("data.train_file", d.train_file, d.format), ("data.heldout_file", d.heldout_file, d.format)]
+    if t.extend:
+        files += [("tokenizer.train_file", t.train_file, "texts"), ("tokenizer.heldout_file", t.heldout_file, "texts")]
+    files += [(f"eval.sets.{n}", p, "text" if not p.endswith(".jsonl") else "jsonl") for n, p in cfg.eval.sets.items()]
+    return files
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    errors, warnings = config.ineffective(cfg, config.validate(config.compose(args.conf), "conf/"))
+    model = cfg.model.path
+    try:
+        source = assets.resolve(model)
+        if not source.exists():
+            errors.append(f"model.path: {model} does not exist; expected a .gguf file or an HF model folder")
+    except FileNotFoundError as err:
+        errors.append(f"model.path: {err}")
+    if cfg.train.resume_from and not (Path(cfg.train.resume_from) / "latest").is_file():
+        errors.append(f"train.resume_from: {cfg.train.resume_from} holds no checkpoint ('latest' missing)")
+    for key, path, data_format in inputs(cfg):
+        if produced(path, args.produced):
+            continue
+        try:
+            check_file(key, path, "text" if data_format == "texts" and not path.endswith(".jsonl") else data_format)
+        except ValueError as err:
+            errors.append(str(err))
+    for warning in warnings:
+        print(f"check: warning: {warning}")
+    if errors:
+        raise ValueError("\n".join(dict.fromkeys(errors)))
+    write_json(args.out, {"checked": "params.yaml and the input files it names"})
+    print("check: the configuration and its input files are fine")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--conf", type=Path, default=Path("conf"), help="the config groups (their defaults)")
+    parser.add_argument("--produced", type=Path, nargs="*", default=[], help="folders earlier stages write")
+    parser.add_argument("--out", type=Path, required=True, help="written when every check passed")
+    run(main, parser)

@@ -1,0 +1,38 @@
+"""Stage eval_set (one per `eval.sets` entry, `eval_set@NAME`): the set's file, read as evaluate will read it, copied
+into the folder evaluate depends on. Declaring a set in the config is enough: the graph follows it."""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from pipeline import config
+from pipeline.atomic import atomic_path
+from pipeline.textio import held_out, read_data
+from stages._common import run
+
+
+def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    source, d = Path(args.file), cfg.data
+    try:
+        items = read_data(source, "text" if source.suffix != ".jsonl" else "jsonl")
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"eval.sets.{args.name}: {err}") from None
+    with atomic_path(args.out) as tmp:
+        tmp.mkdir()
+        if args.file == d.train_file == d.heldout_file:  # the training file's held-out part, never trained on
+            part = held_out(items, d.heldout_fraction)[1]
+            lines = part if source.suffix != ".jsonl" else [json.dumps(row, ensure_ascii=False) for row in part]
+            (tmp / source.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+            print(f"eval_set: {args.name} = the last {len(part)} item(s) of {source} (held out from training)")
+        else:
+            shutil.copy2(source, tmp / source.name)
+            print(f"eval_set: {args.name} = {source}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", required=True, help="the set's name in eval.sets")
+    parser.add_argument("--file", required=True, help="its text (one document per line) or JSONL file")
+    parser.add_argument("--out", type=Path, required=True, help="folder to copy it into")
+    run(main, parser)
