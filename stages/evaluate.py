@@ -1,5 +1,5 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts."""
+greedy samples from fixed prompts, and the accuracy of each on the lm-evaluation-harness tasks of eval.tasks."""
 
 import argparse
 import json
@@ -12,9 +12,12 @@ from stages._common import run
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     from pipeline import evaluate as ev
+    from pipeline import tasks
     from pipeline.tokenizer import load_tokenizer
 
     e = cfg.eval
+    task_specs = tasks.load_tasks(e.tasks)  # checked before any model is loaded
+    task_results: dict[str, dict] = {spec.name: {} for spec in task_specs}
     models = {
         "base": (args.base, None, args.base_tokenizer),
         "adapter": (args.base, args.adapter, args.adapter),
@@ -52,8 +55,14 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             )
             results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
         samples[name] = ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
+        for task, figures in tasks.run_tasks(
+            model, tokenizer, task_specs, batch_size=e.batch_size, limit=e.task_limit
+        ).items():
+            task_results[task][name] = figures
         del model
-    write_json(args.metrics, results)
+    write_json(args.metrics, {**results, config.TASKS_KEY: task_results} if task_specs else results)
+    with atomic_path(args.task_plot) as tmp:
+        tmp.write_text("\n".join(tasks.table_rows(task_results)) + "\n", encoding="utf-8")
     rows = ["set,model,bits_per_byte,perplexity"]
     rows += [f"{s},{m},{v['bits_per_byte']},{v['perplexity']}" for s, by in results.items() for m, v in by.items()]
     with atomic_path(args.plot) as tmp:
@@ -70,7 +79,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             print(
                 f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8} {v['bytes']:>8}"
             )
-    return results
+    for task, metric, model, value, stderr in tasks.scores(task_results):
+        print(f"{task:<24} {model:<8} {metric:<22} {value:>7.4f}" + ("" if stderr is None else f" ± {stderr:.4f}"))
+    return {**results, config.TASKS_KEY: task_results} if task_specs else results
 
 
 if __name__ == "__main__":
@@ -82,6 +93,7 @@ if __name__ == "__main__":
         ("merged", "merged model folder"),
         ("metrics", "eval.json to write"),
         ("plot", "CSV of bits per byte per set and model (a DVC plot)"),
+        ("task-plot", "CSV of task accuracy per task, metric and model (a DVC plot)"),
         ("samples", "Markdown file of greedy samples"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)

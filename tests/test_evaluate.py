@@ -116,6 +116,7 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
         merged=root / "merged",
         metrics=out / "eval.json",
         plot=out / "plot.csv",
+        task_plot=out / "tasks.csv",
         samples=out / "samples.md",
         run_id_file=out / "run.json",
     )
