@@ -1,4 +1,5 @@
-"""`python -m pipeline COMMAND ...`: the library's commands (consolidate, convert, merge, evaluate)."""
+"""`python -m pipeline COMMAND ...`: the library's commands (consolidate, convert, merge, evaluate, chat, generate,
+export)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,29 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(json.dumps({"file": str(args.file), "model": str(args.model), "adapter": str(args.adapter), **result}))
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from pipeline import chat
+
+    sampling = chat.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    model, tokenizer = chat.load(args.model, args.adapter, args.precision)
+    if args.command == "chat":
+        chat.chat(model, tokenizer, sampling, system=args.system)
+    else:
+        chat.generate(model, tokenizer, args.prompt, sampling, raw=args.raw)
+
+
+def _talk_options(command: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
+    command.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
+    command.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
+    command.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"(default {max_new_tokens})")
+    command.add_argument("--temperature", type=float, default=temperature, help=f"0: greedy (default {temperature})")
+    command.add_argument("--seed", type=int, default=0, help="seeds the sampling before each reply (default 0)")
+    command.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the hardware has it"
+    )
+    command.set_defaults(handler=_chat)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
@@ -141,6 +165,13 @@ def parser() -> argparse.ArgumentParser:
         "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the hardware has it"
     )
     evaluate.set_defaults(handler=_evaluate)
+    chat = commands.add_parser("chat", help="talk to a model in the terminal (chat template, streamed, history)")
+    _talk_options(chat, max_new_tokens=256, temperature=0.7)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    generate = commands.add_parser("generate", help="one reply to --prompt on stdout (for scripts)")
+    _talk_options(generate, max_new_tokens=128, temperature=0.0)
+    generate.add_argument("--prompt", required=True, help="the user's message")
+    generate.add_argument("--raw", action="store_true", help="continue the prompt as it is (no chat template)")
     return top
 
 
