@@ -108,6 +108,18 @@ def _chat(args: argparse.Namespace) -> None:
         chat.generate(model, tokenizer, args.prompt, sampling, raw=args.raw)
 
 
+def _export(args: argparse.Namespace) -> None:
+    from pipeline.gguf_export import check_exportable, export_gguf
+    from pipeline.gguf_roundtrip import roundtrip
+
+    check_exportable(args.model, args.type)
+    written = export_gguf(model_dir=args.model, out=args.out, type_name=args.type)
+    print(f"export: {args.model} -> {args.out} ({written['bytes'] / 1e6:.1f} MB, tensors {written['tensors']})")
+    if not args.no_verify:
+        figures = roundtrip(model_dir=args.model, gguf_file=args.out, type_name=args.type)
+        print(f"export: read back by transformers: {json.dumps(figures)}")
+
+
 def _talk_options(command: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
     command.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
     command.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
@@ -172,6 +184,13 @@ def parser() -> argparse.ArgumentParser:
     _talk_options(generate, max_new_tokens=128, temperature=0.0)
     generate.add_argument("--prompt", required=True, help="the user's message")
     generate.add_argument("--raw", action="store_true", help="continue the prompt as it is (no chat template)")
+    export = commands.add_parser("export", help="a merged LLaMA-style model -> one GGUF file (llama.cpp, Ollama)")
+    export.add_argument("--to", choices=("gguf",), required=True, help="the format to write")
+    export.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
+    export.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    export.add_argument("--type", default="f16", help="f16 (default) or q8_0: how 2-D weights are stored")
+    export.add_argument("--no-verify", action="store_true", help="skip reading the file back and comparing logits")
+    export.set_defaults(handler=_export)
     return top
 
 
