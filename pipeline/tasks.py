@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,15 @@ def load_tasks(paths: list[str]) -> list[TaskSpec]:
     return specs
 
 
+def offline() -> None:
+    """No hub access from here on: the environment for what is imported later, the flags of what already is."""
+    os.environ.update(OFFLINE)
+    for module, flags in (("huggingface_hub.constants", ("HF_HUB_OFFLINE",)), ("datasets.config", tuple(OFFLINE))):
+        if module in sys.modules:
+            for flag in flags:
+                setattr(sys.modules[module], flag, True)
+
+
 def figure_name(metric: str, filter_name: str) -> str:
     """`acc` for the unfiltered metric, `exact_match_extract` for a filtered one."""
     return metric if filter_name == "none" else f"{metric}_{filter_name}"
@@ -129,7 +139,7 @@ def run_tasks(model, tokenizer, specs: list[TaskSpec], *, batch_size: int, limit
     """{task: {metric: value, metric_stderr: value or None, samples: n}} of a loaded model (seeded, no hub)."""
     if not specs:
         return {}
-    os.environ.update(OFFLINE)
+    offline()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager

@@ -90,10 +90,20 @@ def toy(tmp_path_factory, tiny_base_dir) -> Path:
 
 
 @pytest.mark.integration
-def test_adapter_is_applied_and_merged_equals_adapter(toy, tiny_base_dir, tmp_path):
+def test_adapter_is_applied_and_merged_equals_adapter(toy, tiny_base_dir, tmp_path, monkeypatch):
+    import socket
+
     from stages import evaluate as stage
     from tests.test_evaluate import _stage_args
 
+    attempts = []
+
+    def refuse(address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError(f"no network in this test ({address})")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: refuse(address))
     tasks = [str(write_task(tmp_path, t, toy / "reviews.jsonl")) for t in (MC_TASK, GEN_TASK)]
     args, cfg = _stage_args(toy, tiny_base_dir, {"in_domain": str(toy / "text.txt")}, tmp_path)
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"tasks": tasks, "task_limit": None})})
@@ -108,6 +118,7 @@ def test_adapter_is_applied_and_merged_equals_adapter(toy, tiny_base_dir, tmp_pa
     rows = (tmp_path / "tasks.csv").read_text().splitlines()
     assert rows[0] == "task,metric,model,value,stderr" and "toy_mc,acc,adapter,1.000000,0.000000" in rows
     assert len(rows) == 1 + 2 * 3
+    assert attempts == [], "the harness reached for the network"
 
 
 def test_the_shipped_tasks_ask_what_training_taught(tmp_path, monkeypatch):
