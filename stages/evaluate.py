@@ -60,7 +60,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         ).items():
             task_results[task][name] = figures
         del model
-    write_json(args.metrics, {**results, config.TASKS_KEY: task_results} if task_specs else results)
+    figures = {**results, config.TASKS_KEY: task_results} if task_specs else results
+    write_json(args.metrics, figures)
     with atomic_path(args.task_plot) as tmp:
         tmp.write_text("\n".join(tasks.table_rows(task_results)) + "\n", encoding="utf-8")
     rows = ["set,model,bits_per_byte,perplexity"]
@@ -81,7 +82,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             )
     for task, metric, model, value, stderr in tasks.scores(task_results):
         print(f"{task:<24} {model:<8} {metric:<22} {value:>7.4f}" + ("" if stderr is None else f" ± {stderr:.4f}"))
-    return {**results, config.TASKS_KEY: task_results} if task_specs else results
+    return figures
 
 
 if __name__ == "__main__":
