@@ -91,3 +91,17 @@ def test_each_execution_is_one_complete_mlflow_run(tiny_pipeline):
         root / "artifacts/adapter/adapter_model.safetensors"
     ).read_bytes()
     assert (local / "plots/train_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_model_cards_and_the_export_note(tiny_pipeline):
+    """consolidate and merge put a model card in their folders (reproducible: the hashes above compared them);
+    the export stage, off by default, left only its note."""
+    root = tiny_pipeline.roots[0]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for folder, library in (("adapter", "peft"), ("merged", "transformers")):
+        card = (root / "artifacts" / folder / "README.md").read_text(encoding="utf-8")
+        header = yaml.safe_load(card.split("---\n")[1])
+        assert header["library_name"] == library and header["base_model"] == params["model"]["path"]
+        assert "```yaml\nmodel:" in card and "python -m pipeline chat --model" in card
+    assert [p.name for p in (root / "artifacts/gguf").iterdir()] == ["README.md"]
+    assert read_json(root / "metrics/export.json") == {"exported": False}
