@@ -67,7 +67,7 @@ def task_scores(table_csv: Path, out: Path) -> None:
         color=[f"C{models.index(r['model'])}" for r in rows],
     )
     axis.bar_label(bars, fmt="%.3f", padding=3)
-    axis.set_yticks(range(len(rows)), [f"{r['task']} {r['metric']} / {r['model']}" for r in rows])
+    axis.set_yticks(range(len(rows)), [r["label"] for r in rows])
     axis.invert_yaxis()
     axis.set_xlabel("score (higher is better; whiskers: standard error)")
     axis.set_xlim(0, 1.25)

@@ -187,7 +187,8 @@ def scores(results: dict[str, dict[str, dict]]) -> list[tuple[str, str, str, flo
 
 def table_rows(results: dict[str, dict[str, dict]]) -> list[str]:
     """CSV lines (header first) of {task: {model: figures}}: one row per task, metric and model (a DVC plot)."""
-    rows = ["task,metric,model,value,stderr"]
+    rows = ["label,task,metric,model,value,stderr"]
     for task, name, model, value, stderr in scores(results):
-        rows.append(f"{task},{name},{model},{value:.6f},{'' if stderr is None else f'{stderr:.6f}'}")
+        error = "" if stderr is None else f"{stderr:.6f}"
+        rows.append(f"{task} {name} / {model},{task},{name},{model},{value:.6f},{error}")
     return rows

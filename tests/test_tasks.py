@@ -116,7 +116,8 @@ def test_adapter_is_applied_and_merged_equals_adapter(toy, tiny_base_dir, tmp_pa
     assert mc["merged"] == mc["adapter"] and gen["merged"] == gen["adapter"]
     assert mc["base"]["samples"] == len(REVIEWS) and mc["base"]["acc_stderr"] == 0.0
     rows = (tmp_path / "tasks.csv").read_text().splitlines()
-    assert rows[0] == "task,metric,model,value,stderr" and "toy_mc,acc,adapter,1.000000,0.000000" in rows
+    assert rows[0] == "label,task,metric,model,value,stderr"
+    assert "toy_mc acc / adapter,toy_mc,acc,adapter,1.000000,0.000000" in rows
     assert len(rows) == 1 + 2 * 3
     assert attempts == [], "the harness reached for the network"
 
