@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.atomic import atomic_path
 from pipeline.errors import guarded
 
 
@@ -120,6 +121,30 @@ def _export(args: argparse.Namespace) -> None:
         print(f"export: read back by transformers: {json.dumps(figures)}")
 
 
+def _card(args: argparse.Namespace) -> None:
+    import yaml
+
+    from pipeline import model_card
+    from pipeline.atomic import read_json
+
+    def figures(name: str) -> dict | None:
+        path = args.metrics / f"{name}.json"
+        return read_json(path) if path.is_file() else None
+
+    params = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+    text = model_card.render(
+        kind=args.kind,
+        params=params,
+        dataset=figures("dataset") or {},
+        training=figures("train") or {},
+        merge=figures("merge") if args.kind == "merged" else None,
+        evaluation=figures("eval"),
+    )
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    print(f"card: {args.kind} model card with {'the' if figures('eval') else 'no'} evaluation tables -> {args.out}")
+
+
 def _talk_options(command: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
     command.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
     command.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
@@ -191,6 +216,12 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--type", default="f16", help="f16 (default) or q8_0: how 2-D weights are stored")
     export.add_argument("--no-verify", action="store_true", help="skip reading the file back and comparing logits")
     export.set_defaults(handler=_export)
+    card = commands.add_parser("card", help="a model card with the evaluation tables (for publishing a copy)")
+    card.add_argument("--kind", choices=("adapter", "merged"), required=True, help="which folder it describes")
+    card.add_argument("--out", type=Path, required=True, help="README.md to write (not the DVC output's own)")
+    card.add_argument("--params", type=Path, default=Path("params.yaml"), help="composed config (params.yaml)")
+    card.add_argument("--metrics", type=Path, default=Path("metrics"), help="folder of the stages' metrics JSON")
+    card.set_defaults(handler=_card)
     return top
 
 

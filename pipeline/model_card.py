@@ -44,8 +44,32 @@ def _data(params: dict, dataset: dict) -> list[str]:
     return [*lines, "", *_table(dataset, DATASET_FIGURES)]
 
 
-def render(*, kind: str, params: dict, dataset: dict, training: dict, merge: dict | None = None) -> str:
-    """The card of the `kind` ("adapter" or "merged") folder; `params` is the composed config (params.yaml)."""
+def _evaluation(evaluation: dict) -> list[str]:
+    """eval.json as tables: bits per byte per set, then task scores with standard errors, for every model."""
+    tasks = evaluation.get("tasks", {})
+    sets = {name: by_model for name, by_model in evaluation.items() if name != "tasks"}
+    lines = ["| set | model | bits per byte | perplexity |", "|---|---|---|---|"]
+    lines += [
+        f"| {name} | {model} | {v['bits_per_byte']} | {v['perplexity']} |"
+        for name, by_model in sets.items()
+        for model, v in by_model.items()
+    ]
+    if tasks:
+        lines += ["", "| task | model | metric | value | standard error | documents |", "|---|---|---|---|---|---|"]
+        for task, by_model in tasks.items():
+            for model, figures in by_model.items():
+                for metric, value in figures.items():
+                    if metric != "samples" and not metric.endswith("_stderr"):
+                        stderr = figures.get(f"{metric}_stderr")
+                        lines.append(f"| {task} | {model} | {metric} | {value} | {stderr} | {figures['samples']} |")
+    return lines
+
+
+def render(
+    *, kind: str, params: dict, dataset: dict, training: dict, merge: dict | None = None, evaluation: dict | None = None
+) -> str:
+    """The card of the `kind` ("adapter" or "merged") folder; `params` is the composed config (params.yaml);
+    `evaluation` (eval.json) where it exists, as when `python -m pipeline card` renders a card for publishing."""
     base = params["model"]["path"]
     header = {
         "base_model": base,
@@ -92,10 +116,17 @@ def render(*, kind: str, params: dict, dataset: dict, training: dict, merge: dic
             "",
             *_table(merge, tuple(merge)),
         ]
+    if evaluation is not None:
+        lines += ["", "Held-out text and downstream tasks (the evaluate stage, `metrics/eval.json`):", ""]
+        lines += _evaluation(evaluation)
+    else:
+        lines += [
+            "",
+            "Bits per byte and task accuracy of the base, base + adapter and merged models: `metrics/eval.json`",
+            "(`dvc metrics show`), written by the evaluate stage after this card; `python -m pipeline card`",
+            "renders this card with them.",
+        ]
     lines += [
-        "",
-        "Bits per byte and task accuracy of the base, base + adapter and merged models: `metrics/eval.json`",
-        "(`dvc metrics show`), written by the evaluate stage after this card.",
         "",
         "## Use",
         "",

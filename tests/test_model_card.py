@@ -48,3 +48,31 @@ def test_merged_card_and_the_vocabulary_extension(tmp_path):
     assert "resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)" in adapter
     model_card.write(tmp_path, card)
     assert (tmp_path / "README.md").read_text(encoding="utf-8") == card
+
+
+def test_card_for_publishing_carries_the_evaluation_tables(tmp_path):
+    """`python -m pipeline card` renders a card with eval.json's tables (bits per byte, task scores)."""
+    import subprocess
+    import sys
+
+    from pipeline.atomic import write_json
+
+    params = config.compose(REPO / "conf", ["experiment=sft_reviews"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    write_json(tmp_path / "metrics/dataset.json", {"documents": 4000, "tokens": 10, "sources": {}})
+    write_json(tmp_path / "metrics/train.json", TRAINING)
+    scores = {"acc": 0.93, "acc_stderr": 0.025643, "samples": 100}
+    eval_json = {
+        "in_domain": {"base": {"bits_per_byte": 0.9, "perplexity": 3.2}},
+        "tasks": {"reviews_sentiment_mc": {"adapter": scores}},
+    }
+    write_json(tmp_path / "metrics/eval.json", eval_json)
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline", "card", "--kind", "adapter", "--out", str(tmp_path / "README.md"),
+         "--params", str(tmp_path / "params.yaml"), "--metrics", str(tmp_path / "metrics")],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    card = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "with the evaluation tables" in done.stdout
+    assert "| in_domain | base | 0.9 | 3.2 |" in card
+    assert "| reviews_sentiment_mc | adapter | acc | 0.93 | 0.025643 | 100 |" in card
