@@ -31,10 +31,9 @@ def _data(params: dict, dataset: dict) -> list[str]:
             "| source | file | format | weight | planned | realised |",
             "|---|---|---|---|---|---|",
         ]
-        realised = dataset.get("sources", {})
-        names = list(realised) or [Path(s["file"]).stem for s in data["sources"]]
-        for name, source in zip(names, data["sources"], strict=True):
-            share = realised.get(name, {})
+        by_file = {figures.get("file"): (name, figures) for name, figures in dataset.get("sources", {}).items()}
+        for source in data["sources"]:
+            name, share = by_file.get(source["file"], (Path(source["file"]).stem, {}))
             lines.append(
                 f"| {name} | `{source['file']}` | {source['format']} | {source['weight']} | "
                 f"{share.get('planned_share', '')} | {share.get('realised_share', '')} |"

@@ -10,9 +10,11 @@ from tests.conftest import REPO
 
 DATASET = {
     "documents": 120, "tokens": 5000, "train_rows": 70, "validation_rows": 8, "masked_fraction": 0.0,
-    "sources": {
-        "peoples_daily_train": {"planned_share": 0.75, "realised_share": 0.7481, "train_tokens": 3700, "items": 90},
-        "enwiki_train": {"planned_share": 0.25, "realised_share": 0.2519, "train_tokens": 1246, "items": 30},
+    "sources": {  # as dataset.json holds them: by name, sorted
+        "enwiki_train": {"file": "data/corpus/enwiki_train.txt", "planned_share": 0.25, "realised_share": 0.2519},
+        "peoples_daily_train": {
+            "file": "data/corpus/peoples_daily_train.txt", "planned_share": 0.75, "realised_share": 0.7481,
+        },
     },
 }  # fmt: skip
 TRAINING = {"steps": 20, "val_loss": 2.645785, "val_perplexity": 14.094501, "tokens_per_s": 154.6, "precision": "bf16"}
@@ -32,6 +34,7 @@ def test_adapter_card_has_the_format_and_the_facts():
     config_block = body.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(config_block) == {k: params[k] for k in model_card.CONFIG_SECTIONS}
     assert "| enwiki_train | `data/corpus/enwiki_train.txt` | text | 1.0 | 0.25 | 0.2519 |" in body
+    assert "| peoples_daily_train | `data/corpus/peoples_daily_train.txt` | text | 3.0 | 0.75 | 0.7481 |" in body
     assert "| val_loss | 2.645785 |" in body and "tokens_per_s" not in body, "no timings: a re-run writes the same"
     assert 'PeftModel.from_pretrained(base, "artifacts/adapter")' in body
     assert card == model_card.render(kind="adapter", params=params, dataset=DATASET, training=TRAINING)
