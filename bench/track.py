@@ -74,7 +74,8 @@ def main() -> None:
         ours = [
             sys.executable, "-m", "stages.track", "--params", str(work / "params.yaml"), "--lock", "dvc.lock",
             "--metrics", *(f"{k}={v}" for k, v in METRICS.items()), "--curve", "metrics/train_curve.csv",
-            "--eval-table", "metrics/eval_bits_per_byte.csv", "--samples", "metrics/eval_samples.md",
+            "--eval-table", "metrics/eval_bits_per_byte.csv", "--task-table", "metrics/eval_tasks.csv",
+            "--samples", "metrics/eval_samples.md",
             "--adapter", "artifacts/adapter", "--merged", "artifacts/merged", "--run-id-file", str(work / "run.json"),
         ]  # fmt: skip
         seconds_ours, peak_ours, _ = run_measured(ours)

@@ -1,4 +1,5 @@
-"""`python -m pipeline COMMAND ...`: the library's commands (consolidate, convert, merge, evaluate)."""
+"""`python -m pipeline COMMAND ...`: the library's commands (consolidate, convert, merge, evaluate, chat, generate,
+export)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from pipeline.atomic import atomic_path
 from pipeline.errors import guarded
 from pipeline.quiet import quiet_third_parties
 
@@ -118,6 +120,65 @@ def stage_defaults(group: str, choice: str = "default") -> dict:
     return yaml.safe_load((CONF / group / f"{choice}.yaml").read_text(encoding="utf-8"))
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from pipeline import chat
+
+    sampling = chat.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    model, tokenizer = chat.load(args.model, args.adapter, args.precision)
+    if args.command == "chat":
+        chat.chat(model, tokenizer, sampling, system=args.system)
+    else:
+        chat.generate(model, tokenizer, args.prompt, sampling, raw=args.raw)
+
+
+def _export(args: argparse.Namespace) -> None:
+    from pipeline.gguf_export import check_exportable, export_gguf
+    from pipeline.gguf_roundtrip import roundtrip
+
+    check_exportable(args.model, args.type)
+    written = export_gguf(model_dir=args.model, out=args.out, type_name=args.type)
+    print(f"export: {args.model} -> {args.out} ({written['bytes'] / 1e6:.1f} MB, tensors {written['tensors']})")
+    if not args.no_verify:
+        figures = roundtrip(model_dir=args.model, gguf_file=args.out, type_name=args.type)
+        print(f"export: read back by transformers: {json.dumps(figures)}")
+
+
+def _card(args: argparse.Namespace) -> None:
+    import yaml
+
+    from pipeline import model_card
+    from pipeline.atomic import read_json
+
+    def figures(name: str) -> dict | None:
+        path = args.metrics / f"{name}.json"
+        return read_json(path) if path.is_file() else None
+
+    params = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+    text = model_card.render(
+        kind=args.kind,
+        params=params,
+        dataset=figures("dataset") or {},
+        training=figures("train") or {},
+        merge=figures("merge") if args.kind == "merged" else None,
+        evaluation=figures("eval"),
+    )
+    with atomic_path(args.out) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    print(f"card: {args.kind} model card with {'the' if figures('eval') else 'no'} evaluation tables -> {args.out}")
+
+
+def _talk_options(command: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:
+    command.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
+    command.add_argument("--adapter", type=Path, help="PEFT adapter folder applied on the model")
+    command.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help="tokens to generate at most")
+    command.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
+    command.add_argument("--seed", type=int, default=0, help="seeds the sampling before each reply")
+    command.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 where the hardware has it"
+    )
+    command.set_defaults(handler=_chat)
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__)
     commands = top.add_subparsers(dest="command", required=True)
@@ -179,6 +240,26 @@ def parser() -> argparse.ArgumentParser:
         help="auto: bf16 where the hardware computes it natively",
     )  # fmt: skip
     evaluate.set_defaults(handler=_evaluate)
+    chat = commands.add_parser("chat", help="talk to a model in the terminal (chat template, streamed, history)")
+    _talk_options(chat, max_new_tokens=256, temperature=0.7)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    generate = commands.add_parser("generate", help="one reply to --prompt on stdout (for scripts)")
+    _talk_options(generate, max_new_tokens=128, temperature=0.0)
+    generate.add_argument("--prompt", required=True, help="the user's message")
+    generate.add_argument("--raw", action="store_true", help="continue the prompt as it is (no chat template)")
+    export = commands.add_parser("export", help="a merged LLaMA-style model -> one GGUF file (llama.cpp, Ollama)")
+    export.add_argument("--to", choices=("gguf",), required=True, help="the format to write")
+    export.add_argument("--model", type=Path, required=True, help="HF model folder (e.g. artifacts/merged)")
+    export.add_argument("--out", type=Path, required=True, help="the .gguf file to write")
+    export.add_argument("--type", default="f16", help="f16 or q8_0: how 2-D weights are stored")
+    export.add_argument("--no-verify", action="store_true", help="skip reading the file back and comparing logits")
+    export.set_defaults(handler=_export)
+    card = commands.add_parser("card", help="a model card with the evaluation tables (for publishing a copy)")
+    card.add_argument("--kind", choices=("adapter", "merged"), required=True, help="which folder it describes")
+    card.add_argument("--out", type=Path, required=True, help="README.md to write (not the DVC output's own)")
+    card.add_argument("--params", type=Path, default=Path("params.yaml"), help="composed config (params.yaml)")
+    card.add_argument("--metrics", type=Path, default=Path("metrics"), help="folder of the stages' metrics JSON")
+    card.set_defaults(handler=_card)
     return top
 
 

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PositiveInt = Field(gt=0)
+TASKS_KEY = "tasks"  # eval.json: task accuracies beside the eval sets' bits per byte
 Fraction = Field(ge=0.0, lt=1.0)
 
 
@@ -28,6 +29,7 @@ class ModelConfig(Section):
 class CorpusConfig(Section):
     heldout_fraction: float = Field(gt=0.0, lt=1.0)
     wiki_max_chars: int = PositiveInt
+    wiki_train_chars: int = PositiveInt
     sft_train_examples: int = PositiveInt
     sft_heldout_examples: int = PositiveInt
     chat_train_examples: int = PositiveInt
@@ -46,9 +48,18 @@ class TokenizerConfig(Section):
     pad_to_multiple_of: int = PositiveInt
 
 
+class SourceConfig(Section):
+    """One file of a weighted mix: its format and its share of the mixed tokens (weights are normalised)."""
+
+    file: str
+    format: Literal["text", "alpaca", "chat"]
+    weight: float = Field(gt=0.0)
+
+
 class DataConfig(Section):
     format: Literal["text", "alpaca", "chat"]
     train_file: str
+    sources: list[SourceConfig]
     heldout_file: str
     heldout_fraction: float = Field(gt=0.0, lt=1.0)
     validation_fraction: float = Fraction
@@ -68,6 +79,13 @@ class DataConfig(Section):
             )
         if self.format == "chat" and self.prompt_template != "chat":
             raise ValueError("data.prompt_template: data.format=chat needs prompt_template=chat")
+        for i, source in enumerate(self.sources):
+            if (source.format == "text") != (self.format == "text"):
+                kind = "text" if self.format == "text" else "alpaca or chat"
+                raise ValueError(
+                    f"data.sources.{i}.format: data.format={self.format} mixes {kind} sources only, "
+                    f"got {source.format!r} for {source.file}"
+                )
         return self
 
 
@@ -136,11 +154,15 @@ class EvalConfig(Section):
     max_new_tokens: int = Field(ge=0)
     prompts: list[str]
     precision: Literal["auto", "bf16", "fp32"]
+    tasks: list[str]
+    task_limit: int | None = Field(gt=0)
 
     @model_validator(mode="after")
     def _window(self) -> EvalConfig:
         if self.stride > self.context:
             raise ValueError(f"eval.stride: must be <= eval.context ({self.context}), got {self.stride}")
+        if TASKS_KEY in self.sets:
+            raise ValueError(f"eval.sets: {TASKS_KEY!r} names the task results in eval.json; rename that set")
         return self
 
 
@@ -152,9 +174,15 @@ class MergeConfig(Section):
     max_kl: float | None = Field(gt=0)
 
 
+class ExportConfig(Section):
+    gguf: bool
+    type: Literal["f16", "q8_0"]
+
+
 class TrackingConfig(Section):
     uri: str
     experiment: str
+    tensorboard: bool
     register_model: str | None = Field(min_length=1)
 
 
@@ -190,6 +218,7 @@ class Config(Section):
     deepspeed: DeepSpeedConfig
     train: TrainConfig
     merge: MergeConfig
+    export: ExportConfig
     eval: EvalConfig
     tracking: TrackingConfig
     launcher: LauncherConfig

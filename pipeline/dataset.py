@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 IGNORE_INDEX = -100
+REQUIRED_FIELDS = {"text": (), "alpaca": ("instruction", "output"), "chat": ("messages",)}  # per data format
 ALPACA_TEMPLATES = {
     "with_input": (
         "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -168,10 +169,24 @@ def masked_fraction(labels) -> float:
     return float((flat == IGNORE_INDEX).mean()) if flat.size else 0.0
 
 
+def source_tokens(sources: np.ndarray, n_sources: int) -> list[int]:
+    """Tokens per source among `sources` (a source index per token; -1 marks padding)."""
+    return np.bincount(sources[sources >= 0], minlength=n_sources).tolist()
+
+
 def build_pretraining(
-    tokenizer, documents: list[str], *, block_size: int, tail: str, validation_fraction: float, seed: int
+    tokenizer,
+    documents: list[str],
+    *,
+    block_size: int,
+    tail: str,
+    validation_fraction: float,
+    seed: int,
+    token_sources: tuple[np.ndarray, int] | None = None,
 ) -> tuple[dict[str, pa.Table], dict]:
-    """Pack documents into train/validation block tables; returns them and their statistics."""
+    """Pack documents into train/validation block tables; returns them and their statistics. With
+    `token_sources` (the source index of every token of the stream, and the number of sources), the statistics
+    also count the train split's tokens per source (`source_tokens`)."""
     stream, n_docs = tokenize_documents(tokenizer, documents)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs, labels = pack_blocks(stream, block_size=block_size, tail=tail, pad_id=pad_id if pad_id is not None else 0)
@@ -186,6 +201,12 @@ def build_pretraining(
         "validation_rows": int(len(val)),
         "masked_fraction": masked_fraction(labels[train]),
     }
+    if token_sources is not None:
+        per_token, n_sources = token_sources
+        if len(per_token) != len(stream):
+            raise AssertionError(f"{len(per_token)} token sources for a stream of {len(stream)} tokens")
+        blocks, _ = pack_blocks(per_token.astype(np.int32), block_size=block_size, tail=tail, pad_id=-1)
+        stats["source_tokens"] = source_tokens(blocks[train], n_sources)
     return {"train": to_table(inputs[train], labels[train]), "validation": to_table(inputs[val], labels[val])}, stats
 
 
@@ -200,14 +221,33 @@ def build_instruction(
     inputs, labels, stats = build_sft(tokenizer, rows, template=template, max_seq_len=max_seq_len)
     if not inputs:
         raise ValueError(f"data.max_seq_len: every example lost its response to truncation at {max_seq_len} tokens")
+    stats["documents"] = len(rows)
+    return split_instruction(inputs, labels, stats, validation_fraction=validation_fraction, seed=seed)
+
+
+def split_instruction(
+    inputs: list,
+    labels: list,
+    stats: dict,
+    *,
+    validation_fraction: float,
+    seed: int,
+    example_sources: tuple[list[int], int] | None = None,
+) -> tuple[dict[str, pa.Table], dict]:
+    """Tokenized SFT examples -> train/validation tables and `stats` completed; with `example_sources` (the source
+    index of every example, and the number of sources) also the train split's tokens per source."""
     train, val = split_indices(len(inputs), validation_fraction, seed)
-    stats.update(
-        documents=len(rows),
-        tokens=sum(map(len, inputs)),
-        train_rows=int(len(train)),
-        validation_rows=int(len(val)),
-        masked_fraction=masked_fraction(_take(labels, train)),
-    )
+    stats = {
+        **stats,
+        "tokens": sum(map(len, inputs)),
+        "train_rows": int(len(train)),
+        "validation_rows": int(len(val)),
+        "masked_fraction": masked_fraction(_take(labels, train)),
+    }
+    if example_sources is not None:
+        per_example, n_sources = example_sources
+        per_token = np.fromiter(chain.from_iterable([per_example[i]] * len(inputs[i]) for i in train), np.int64)
+        stats["source_tokens"] = source_tokens(per_token, n_sources)
     return {
         "train": to_table(_take(inputs, train), _take(labels, train)),
         "validation": to_table(_take(inputs, val), _take(labels, val)),

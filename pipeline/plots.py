@@ -1,4 +1,5 @@
-"""PNG renderings of the pipeline's DVC plots (the training curve, bits per byte per model) for MLflow."""
+"""PNG renderings of the pipeline's DVC plots (the training curve, bits per byte and task scores per model) for
+MLflow."""
 
 from __future__ import annotations
 
@@ -50,4 +51,24 @@ def bits_per_byte(table_csv: Path, out: Path) -> None:
     axis.invert_yaxis()
     axis.set_xlabel("bits per byte (lower is better)")
     axis.set_xlim(0, max(values, default=1.0) * 1.2)
+    figure.savefig(out, dpi=100)
+
+
+def task_scores(table_csv: Path, out: Path) -> None:
+    """Horizontal bars with standard-error whiskers: each model's score on each task metric (higher is better)."""
+    rows = _rows(table_csv)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    figure, (axis,) = _figure(1, 1.0 + 0.35 * len(rows))
+    errors = [float(r["stderr"]) if r["stderr"] else 0.0 for r in rows]
+    bars = axis.barh(
+        range(len(rows)),
+        [float(r["value"]) for r in rows],
+        xerr=errors,
+        color=[f"C{models.index(r['model'])}" for r in rows],
+    )
+    axis.bar_label(bars, fmt="%.3f", padding=3)
+    axis.set_yticks(range(len(rows)), [r["label"] for r in rows])
+    axis.invert_yaxis()
+    axis.set_xlabel("score (higher is better; whiskers: standard error)")
+    axis.set_xlim(0, 1.25)
     figure.savefig(out, dpi=100)

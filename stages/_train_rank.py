@@ -66,6 +66,12 @@ def reporting(args: argparse.Namespace, cfg: config.Config, engine, *, block: in
     rank, world = dist.get_rank(), dist.get_world_size()
     trainable, total = count_parameters(engine.module)
     tracker = pipeline_run(cfg, args.run_id_file) if rank == 0 else None  # the stage opened it: params, tags
+    curves = None
+    if rank == 0 and cfg.tracking.tensorboard and args.tensorboard is not None:
+        from pipeline.tensorboard import CurveWriter, run_dir
+
+        curves = CurveWriter(run_dir(args.tensorboard, Path(os.environ.get("DVC_ROOT") or Path.cwd())))
+        print(f"train: TensorBoard events in {curves.folder} (tensorboard --logdir {args.tensorboard})", flush=True)
     bar = tqdm(total=cfg.train.max_steps, desc="train", dynamic_ncols=True, disable=rank != 0)
     if tracker is not None:
         tracker.set_tags({"world_size": str(world), "zero_stage": str(cfg.deepspeed.stage)})
@@ -78,6 +84,8 @@ def reporting(args: argparse.Namespace, cfg: config.Config, engine, *, block: in
     def log(metrics: dict, step: int) -> None:
         if tracker is not None:
             tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if curves is not None:
+            curves.log(metrics, step)
 
     def progress(step: int, figures: dict) -> None:
         bar.n = step
@@ -105,6 +113,8 @@ def reporting(args: argparse.Namespace, cfg: config.Config, engine, *, block: in
 
     def finish(metrics: dict) -> None:
         bar.close()
+        if curves is not None:
+            curves.close()
         if tracker is None:
             return
         history = metrics.pop("history")
@@ -212,4 +222,5 @@ if __name__ == "__main__":
     parser.add_argument("--resume-from", type=Path, help="checkpoint folder to start from when --checkpoints is empty")
     parser.add_argument("--resume-universal", type=Path, help="universal checkpoint to start from (another layout)")
     parser.add_argument("--loaded-state", type=Path, help="write the gathered state the run resumes from here")
+    parser.add_argument("--tensorboard", type=Path, help="TensorBoard folder (tracking.tensorboard)")
     run(main, parser)

@@ -1,4 +1,5 @@
-"""Stage cache_dataset: tokenize and pack the training data into an Arrow dataset (train/validation)."""
+"""Stage cache_dataset: tokenize and pack the training data (one file, or a weighted mix of `data.sources`) into an
+Arrow dataset (train/validation)."""
 
 import argparse
 import time
@@ -18,6 +19,33 @@ def training_items(d: config.DataConfig) -> list:
     return held_out(items, d.heldout_fraction)[0] if d.heldout_file == d.train_file else items
 
 
+def build_mix(tokenizer, d: config.DataConfig) -> tuple[dict, dict]:
+    """The weighted mix of `data.sources` (every file read and checked before any tokenizing)."""
+    from pipeline import mixing
+
+    sources = mixing.resolve(d.sources)
+    contents = [mixing.read_source(s, f"data.sources.{i}") for i, s in enumerate(sources)]
+    if d.format == "text":
+        return mixing.mix_text(
+            tokenizer,
+            sources,
+            contents,
+            block_size=d.block_size,
+            tail=d.tail,
+            validation_fraction=d.validation_fraction,
+            seed=d.seed,
+        )
+    return mixing.mix_instruction(
+        tokenizer,
+        sources,
+        contents,
+        template=d.prompt_template,
+        max_seq_len=d.max_seq_len,
+        validation_fraction=d.validation_fraction,
+        seed=d.seed,
+    )
+
+
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     d = cfg.data
     positions = read_json(args.base_config)["max_position_embeddings"]
@@ -26,7 +54,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         raise ValueError(f"{key}: {length} exceeds the model's max_position_embeddings ({positions})")
     tokenizer = load_tokenizer(args.tokenizer)
     start = time.perf_counter()
-    if d.format == "text":
+    if d.sources:
+        tables, stats = build_mix(tokenizer, d)
+    elif d.format == "text":
         documents = training_items(d)
         tables, stats = build_pretraining(
             tokenizer,
@@ -51,6 +81,12 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         save_splits(tmp, tables)
     metrics = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
     write_json(args.metrics, metrics)
+    for name, share in stats.pop("sources", {}).items():
+        print(
+            f"cache_dataset: source {name}: {share['planned_share']:.1%} of tokens planned, "
+            f"{share['realised_share']:.1%} in the train split ({share['train_tokens']:,} tokens, "
+            f"{share['items']} items)"
+        )
     print(f"cache_dataset: {stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
     return metrics
 

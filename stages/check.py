@@ -29,6 +29,7 @@ def inputs(cfg: config.Config) -> list[tuple[str, str, str]]:
     """(key, path, format) of every input file the configuration names."""
     d, t = cfg.data, cfg.tokenizer
     files = [("data.train_file", d.train_file, d.format), ("data.heldout_file", d.heldout_file, d.format)]
+    files += [(f"data.sources.{i}.file", s.file, s.format) for i, s in enumerate(d.sources)]
     if t.extend:
         files += [("tokenizer.train_file", t.train_file, "texts"), ("tokenizer.heldout_file", t.heldout_file, "texts")]
     files += [(f"eval.sets.{n}", p, "text" if not p.endswith(".jsonl") else "jsonl") for n, p in cfg.eval.sets.items()]

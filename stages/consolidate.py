@@ -3,8 +3,8 @@
 import argparse
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import write_json
+from pipeline import config, model_card
+from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints.consolidate import consolidate
 from stages._common import run
 
@@ -19,6 +19,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         "world_size": source["world_size"],
         "zero_stage": source["zero_stage"],
     }
+    figures = {"dataset": read_json(args.dataset_metrics), "training": read_json(args.train_metrics)}
+    model_card.write(args.out, model_card.render(kind="adapter", params=cfg.model_dump(), **figures))
     write_json(args.metrics, metrics)
     for note in manifest["notes"]:
         print(f"consolidate: note: {note}")
@@ -31,4 +33,6 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoints", type=Path, required=True, help="DeepSpeed checkpoint folder (holds latest)")
     parser.add_argument("--out", type=Path, required=True, help="adapter folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
+    parser.add_argument("--dataset-metrics", type=Path, required=True, help="the dataset's figures (model card)")
+    parser.add_argument("--train-metrics", type=Path, required=True, help="the training's figures (model card)")
     run(main, parser, prefix="consolidate")

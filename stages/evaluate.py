@@ -1,5 +1,5 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts."""
+greedy samples from fixed prompts, and the accuracy of each on the lm-evaluation-harness tasks of eval.tasks."""
 
 import argparse
 import json
@@ -19,18 +19,16 @@ def proven(merged: Path) -> str | None:
     return f"merged (the merge proof passed: max |logit diff| {gap['max_abs_logit_diff']:.2g})"
 
 
-def score_model(cfg: config.Config, args: argparse.Namespace, name: str, folder: Path, adapter, tokenizer_dir):
-    """One model's figures on every set, and its greedy samples."""
+def score_model(cfg: config.Config, args: argparse.Namespace, name: str, folder: Path, adapter, tokenizer_dir, specs):
+    """One model's figures on every set, its greedy samples and its task scores."""
     from pipeline import evaluate as ev
+    from pipeline import tasks
     from pipeline.tokenizer import load_tokenizer
 
     e = cfg.eval
     tokenizer = load_tokenizer(tokenizer_dir)
-    model = ev.load_model(folder, adapter, precision=e.precision)
-    ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
-    figures = {}
-    for set_name, path in e.sets.items():
-        examples = ev.load_examples(
+    sets = {
+        set_name: ev.load_examples(
             tokenizer,
             args.sets / set_name / Path(path).name,
             template=cfg.data.prompt_template,
@@ -38,20 +36,30 @@ def score_model(cfg: config.Config, args: argparse.Namespace, name: str, folder:
             context=e.context,
             key=f"eval.sets.{set_name}",
         )
+        for set_name, path in e.sets.items()
+    }
+    model = ev.load_model(folder, adapter, precision=e.precision)
+    ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
+    figures = {}
+    for set_name, examples in sets.items():
         scored = ev.score(
             model, examples, context=e.context, stride=e.stride, batch_size=e.batch_size, desc=f"{name}/{set_name}"
         )
         figures[set_name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
-    return figures, ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
+    samples = ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
+    return figures, samples, tasks.run_tasks(model, tokenizer, specs, batch_size=e.batch_size, limit=e.task_limit)
 
 
-def write_outputs(args: argparse.Namespace, prompts: list[str], results: dict, samples: dict) -> None:
-    write_json(args.metrics, results)
+def write_outputs(args: argparse.Namespace, prompts: list[str], results: dict, task_results: dict, samples: dict):
+    from pipeline import tasks
+
     rows = ["bar,set,model,bits_per_byte,perplexity"]  # one bar per set and model
     for set_name, by_model in results.items():
         rows += [f"{set_name} / {m},{set_name},{m},{v['bits_per_byte']},{v['perplexity']}" for m, v in by_model.items()]
     with atomic_path(args.plot) as tmp:
         tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    with atomic_path(args.task_plot) as tmp:
+        tmp.write_text("\n".join(tasks.table_rows(task_results)) + "\n", encoding="utf-8")
     lines = ["# Greedy samples", ""]
     for i, prompt in enumerate(prompts):
         answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
@@ -61,6 +69,9 @@ def write_outputs(args: argparse.Namespace, prompts: list[str], results: dict, s
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+    from pipeline import tasks
+
+    specs = tasks.load_tasks(cfg.eval.tasks)  # checked before any model is loaded
     models = {
         "base": (args.base, None, args.base_tokenizer),
         "adapter": (args.base, args.adapter, args.adapter),
@@ -72,24 +83,33 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
                 raise FileNotFoundError(f"{path}: missing model folder for '{name}'")
     same_as_merged = proven(args.merged)
     results: dict[str, dict] = {s: {} for s in cfg.eval.sets}
+    task_results: dict[str, dict] = {spec.name: {} for spec in specs}
     samples: dict[str, list[str]] = {}
     for name, (folder, adapter, tokenizer_dir) in models.items():
         if name == "adapter" and same_as_merged:
             continue
-        figures, samples[name] = score_model(cfg, args, name, folder, adapter, tokenizer_dir)
+        figures, samples[name], scores = score_model(cfg, args, name, folder, adapter, tokenizer_dir, specs)
         for set_name, values in figures.items():
             results[set_name][name] = values
+        for task, values in scores.items():
+            task_results[task][name] = values
     if same_as_merged:
         samples["adapter"] = samples["merged"]
         for by_model in results.values():
             by_model["adapter"] = {**by_model["merged"], "scored_as": same_as_merged}
-    write_outputs(args, cfg.eval.prompts, results, samples)
+        for by_model in task_results.values():
+            by_model["adapter"] = dict(by_model["merged"])  # the same model: the table above says so
+    write_outputs(args, cfg.eval.prompts, results, task_results, samples)
+    figures = {**results, config.TASKS_KEY: task_results} if specs else results
+    write_json(args.metrics, figures)
     print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8}")
     for s, by in results.items():
         for m, v in by.items():
             note = "  (= merged: proof passed)" if "scored_as" in v else ""
             print(f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8}{note}")
-    return results
+    for task, metric, model, value, stderr in tasks.scores(task_results):
+        print(f"{task:<24} {model:<8} {metric:<22} {value:>7.4f}" + ("" if stderr is None else f" ± {stderr:.4f}"))
+    return figures
 
 
 if __name__ == "__main__":
@@ -102,6 +122,7 @@ if __name__ == "__main__":
         ("sets", "folder of the evaluation sets, one subfolder per name (written by eval_set@NAME)"),
         ("metrics", "eval.json to write"),
         ("plot", "CSV of bits per byte per set and model (a DVC plot)"),
+        ("task-plot", "CSV of task accuracy per task, metric and model (a DVC plot)"),
         ("samples", "Markdown file of greedy samples"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)

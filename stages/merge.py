@@ -3,8 +3,8 @@
 import argparse
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import write_json
+from pipeline import config, model_card
+from pipeline.atomic import read_json, write_json
 from pipeline.merge import merge
 from stages._common import run
 
@@ -22,6 +22,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         max_kl=m.max_kl,
     )
     metrics = {"vocab_rows": report["vocab_rows"], **report.get("verification", {})}
+    figures = {"dataset": read_json(args.dataset_metrics), "training": read_json(args.train_metrics)}
+    model_card.write(args.out, model_card.render(kind="merged", params=cfg.model_dump(), merge=metrics, **figures))
     write_json(args.metrics, metrics)
     for note in report["notes"]:
         print(f"merge: note: {note}")
@@ -35,4 +37,6 @@ if __name__ == "__main__":
     parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
     parser.add_argument("--out", type=Path, required=True, help="merged model folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="verification figures (DVC metrics)")
+    parser.add_argument("--dataset-metrics", type=Path, required=True, help="the dataset's figures (model card)")
+    parser.add_argument("--train-metrics", type=Path, required=True, help="the training's figures (model card)")
     run(main, parser, prefix="merge")

@@ -120,7 +120,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         for path, folder in ((Path(args.params), "config"), (args.lock, "config"), (args.adapter, "adapter")):
             if path.exists():
                 tracker.log_artifact(path, folder)
-        for path in (args.eval_table, args.samples, *(p for _, p in args.metrics)):
+        for path in (args.eval_table, args.task_table, args.samples, *(p for _, p in args.metrics)):
             if path.is_file():
                 tracker.log_artifact(path, "metrics")
         with tempfile.TemporaryDirectory() as tmp:
@@ -128,6 +128,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
                 plots.training_curve(args.curve, Path(tmp) / "train_curve.png")
             if args.eval_table.is_file():
                 plots.bits_per_byte(args.eval_table, Path(tmp) / "eval_bits_per_byte.png")
+            if args.task_table.is_file() and args.task_table.read_text(encoding="utf-8").count("\n") > 1:
+                plots.task_scores(args.task_table, Path(tmp) / "eval_tasks.png")
             tracker.log_artifact(Path(tmp), "plots")
         registered = ""
         if cfg.tracking.register_model and args.merged.is_dir():
@@ -156,6 +158,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--curve", type=Path, required=True, help="training curve CSV")
     parser.add_argument("--eval-table", type=Path, required=True, help="bits per byte CSV")
+    parser.add_argument("--task-table", type=Path, required=True, help="task accuracy CSV")
     parser.add_argument("--samples", type=Path, required=True, help="greedy samples (Markdown)")
     parser.add_argument("--adapter", type=Path, required=True, help="consolidated adapter folder")
     parser.add_argument("--merged", type=Path, required=True, help="merged model folder (registered on request)")

@@ -25,7 +25,9 @@ UNTRACKED_TRAIN_KEYS = (
     "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
     "gradient_accumulation_steps", "gradient_checkpointing",
 )  # fmt: skip
-FORWARDED = ("base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state")
+FORWARDED = (
+    "base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state", "tensorboard",
+)  # fmt: skip
 
 
 def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
@@ -243,4 +245,5 @@ if __name__ == "__main__":
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
     parser.add_argument("--final-state", type=Path, help="also write the gathered fp32 trainable tensors here")
     parser.add_argument("--loaded-state", type=Path, help="also write the state the run resumes from (+ moments)")
+    parser.add_argument("--tensorboard", type=Path, help="TensorBoard folder (written when tracking.tensorboard)")
     run(main, parser, prefix="train")

@@ -111,7 +111,14 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
     from tests.training import TINY, TWO_RANKS, train
 
     out = tmp_path_factory.mktemp("two_ranks_zero2")
-    train(inputs, tiny_base_dir, out, [*TINY, *TWO_RANKS, "deepspeed=zero2"])
+    tensorboard = ("--tensorboard", str(out / "tensorboard"))  # read back by tests/test_tensorboard.py
+    train(
+        inputs,
+        tiny_base_dir,
+        out,
+        [*TINY, *TWO_RANKS, "deepspeed=zero2", "tracking.tensorboard=true"],
+        extra=tensorboard,
+    )
     return out
 
 

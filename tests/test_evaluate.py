@@ -121,6 +121,7 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
         sets=out / "sets",
         metrics=out / "eval.json",
         plot=out / "plot.csv",
+        task_plot=out / "tasks.csv",
         samples=out / "samples.md",
         run_id_file=out / "run.json",
     )
@@ -175,7 +176,6 @@ def test_stage_bad_set_writes_no_metrics(trained, tiny_base_dir, tmp_path):
 def test_bits_per_byte_match_lm_evaluation_harness(trained, tmp_path, peoples_daily):
     """Same definitions when stride == context == the harness's max_length and both condition the first token on
     the BOS (else EOS) token; documents are the file's lines."""
-    pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (make peer installs it)")
     from transformers import AutoModelForCausalLM
 
     from bench.lm_harness import bits_per_byte

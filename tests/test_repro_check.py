@@ -114,3 +114,17 @@ def test_the_run_reads_as_what_it_is(tiny_pipeline):
     assert {t.key: t.value for t in training.tags}["mlflow.data.context"] == "training"
     for name in ("in_domain", "en_wiki"):
         assert inputs[f"eval set {name}"].dataset.digest == lock["stages"][f"eval_set@{name}"]["outs"][0]["md5"][:36]
+
+
+def test_model_cards_and_the_export_note(tiny_pipeline):
+    """consolidate and merge put a model card in their folders (reproducible: the hashes above compared them);
+    the export stage, off by default, left only its note."""
+    root = tiny_pipeline.roots[0]
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for folder, library in (("adapter", "peft"), ("merged", "transformers")):
+        card = (root / "artifacts" / folder / "README.md").read_text(encoding="utf-8")
+        header = yaml.safe_load(card.split("---\n")[1])
+        assert header["library_name"] == library and header["base_model"] == params["model"]["path"]
+        assert "```yaml\nmodel:" in card and "python -m pipeline chat --model" in card
+    assert [p.name for p in (root / "artifacts/gguf").iterdir()] == ["README.md"]
+    assert read_json(root / "metrics/export.json") == {"exported": False}

@@ -19,6 +19,7 @@ PACKAGES = ("pipeline", "stages", "tools")
 NOT_DEPENDENCIES = {
     "stages/_common.py": "the stages' harness: argument parsing, the MLflow run, turning bad input into an exit",
     "pipeline/tracking.py": "logging to MLflow",
+    "pipeline/tensorboard.py": "logging the training curve for TensorBoard",
     "pipeline/errors.py": "printing bad input as one line and exiting",
     "pipeline/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
     "pipeline/processes.py": "PATH and a free port for child processes",

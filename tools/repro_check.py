@@ -28,7 +28,10 @@ MEASURED = {
     "compared by hash instead",
     "metrics/train.json": "tokens/s, seconds, peak memory and MFU are measurements; every other figure is compared",
 }
-MEASUREMENT_KEYS = ("tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu")
+MEASUREMENT_KEYS = (
+    "tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu", "peak_memory_mb_per_rank",
+    "peak_gpu_memory_mb", "peak_gpu_memory_mb_per_rank", "load_before_mb_per_rank", "load_peak_mb_per_rank",
+)  # fmt: skip
 
 
 def sh(args: list[str], cwd: Path, *, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
