@@ -9,16 +9,26 @@ def _number(value, digits: int = 4) -> str:
 
 
 def evaluation_table(evaluation: dict) -> list[str]:
-    """Set x model: bits per byte, perplexity, tokens, and task accuracy where the evaluation has it."""
+    """Set x model: bits per byte, perplexity, tokens; then task x model: each metric with its standard error
+    (eval.json keeps the task scores under "tasks": {task: {model: {metric, metric_stderr, samples}}})."""
     lines = [f"{'set':<16}{'model':<9}{'bits/byte':>11}{'perplexity':>12}{'tokens':>9}{'accuracy':>16}"]
     for name, models in evaluation.items():
+        if name == "tasks":
+            continue
         for model, figures in models.items():
-            accuracy = figures.get("acc")
-            shown = "-" if accuracy is None else f"{accuracy:.3f} ± {figures.get('acc_stderr', 0):.3f}"
             lines.append(
                 f"{name[:15]:<16}{model[:8]:<9}{_number(figures.get('bits_per_byte')):>11}"
-                f"{_number(figures.get('perplexity'), 2):>12}{_number(figures.get('tokens')):>9}{shown:>16}"
+                f"{_number(figures.get('perplexity'), 2):>12}{_number(figures.get('tokens')):>9}{'-':>16}"
             )
+    for task, models in evaluation.get("tasks", {}).items():
+        for model, figures in models.items():
+            for metric, value in figures.items():
+                if metric == "samples" or metric.endswith("_stderr"):
+                    continue
+                error = figures.get(f"{metric}_stderr")
+                shown = f"{value:.3f}" + ("" if error is None else f" ± {error:.3f}")
+                label = f"{task} {metric}"
+                lines.append(f"{label[:15]:<16}{model[:8]:<9}{'-':>11}{'-':>12}{'-':>9}{shown:>16}")
     return lines
 
 

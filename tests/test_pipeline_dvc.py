@@ -14,13 +14,13 @@ from tools.repro_check import GIT, copy_project, sh
 
 pytestmark = pytest.mark.integration
 EXP_RUN = ["dvc", "exp", "run", "cache_dataset", "-S", "experiment=ci_tiny"]
-# Upstream of cache_dataset in ci_tiny: data/ is one of its dependencies (the files of data.sources live there), so
-# prepare_corpus, which writes data/corpus, is too.
-STAGES = {"prepare_base", "prepare_corpus", "prepare_tokenizer", "cache_dataset"}
+# Upstream of cache_dataset in ci_tiny: the check of params.yaml and its files comes first; data/ is a dependency (the
+# files of data.sources live there), so prepare_corpus, which writes data/corpus, is upstream too.
+STAGES = {"check", "prepare_base", "prepare_corpus", "prepare_tokenizer", "cache_dataset"}
 
 
 def _ran(done: subprocess.CompletedProcess) -> set[str]:
-    return set(re.findall(r"Running stage '(\w+)'", done.stdout + done.stderr))
+    return set(re.findall(r"Running stage '([\w@]+)'", done.stdout + done.stderr))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_exp_run_composes_conf_and_reruns_only_dependent_stages(repo):
     assert max(max(row) for row in dataset["train"]["input_ids"]) >= 49152, "extended ids are used"
 
     second = sh([*EXP_RUN, "-S", "tokenizer.vocab_size=700"], repo)
-    assert _ran(second) == {"prepare_tokenizer", "cache_dataset"}
+    assert _ran(second) == {"check", "prepare_tokenizer", "cache_dataset"}  # check re-reads the changed params.yaml
     assert yaml.safe_load((repo / "params.yaml").read_text())["tokenizer"]["vocab_size"] == 700
 
     third = sh(["dvc", "repro", "cache_dataset"], repo)
