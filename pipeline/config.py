@@ -75,9 +75,22 @@ class LoraConfig(Section):
     alpha: float = Field(gt=0.0)
     dropout: float = Fraction
     use_rslora: bool
-    target_modules: list[str] = Field(min_length=1)
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"]
     modules_to_save: list[str]
     init_new_embeddings: Literal["mean", "normal"]
+    use_dora: bool
+    lr_ratio: float | None = Field(gt=0.0)
+    quantization: Literal["none", "nf4", "int8"]
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"]
+
+    @model_validator(mode="after")
+    def _quantization(self) -> LoraConfig:
+        if self.compute_dtype != "auto" and self.quantization != "nf4":
+            raise ValueError(
+                f"lora.compute_dtype: {self.compute_dtype} applies to a 4-bit base only (lora.quantization=nf4); "
+                f"expected auto with quantization={self.quantization}"
+            )
+        return self
 
 
 class DeepSpeedConfig(Section):
@@ -192,6 +205,16 @@ class Config(Section):
     eval: EvalConfig
     tracking: TrackingConfig
     launcher: LauncherConfig
+
+    @model_validator(mode="after")
+    def _variants(self) -> Config:
+        if self.lora.quantization != "none" and self.deepspeed.offload_param:
+            raise ValueError(
+                f"deepspeed.offload_param: a quantized base (lora.quantization={self.lora.quantization}) is packed in "
+                "bitsandbytes' own tensors, which DeepSpeed's parameter offload does not move; expected "
+                "offload_param=false (offload_optimizer is fine)"
+            )
+        return self
 
 
 def _describe(error: dict, source: str) -> str:
