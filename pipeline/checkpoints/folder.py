@@ -57,9 +57,13 @@ def read_state(checkpoint_dir: Path, tag: str) -> dict:
     return read_json(checkpoint_dir / tag / STATE)
 
 
+IDENTITY_DEFAULTS = {"use_dora": False}  # what checkpoints written before a key existed mean by its absence
+
+
 def check_same_model(state: dict, source: Path, identity: dict) -> None:
-    """Refuse a checkpoint of another model (base, vocabulary, LoRA rank, targets, modules_to_save)."""
-    differs = {k: (state["identity"].get(k), v) for k, v in identity.items() if state["identity"].get(k) != v}
+    """Refuse a checkpoint of another model (base, vocabulary, LoRA rank, targets, modules_to_save, DoRA)."""
+    saved = {**IDENTITY_DEFAULTS, **state["identity"]}
+    differs = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
     if differs:
         detail = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differs.items())
         raise ValueError(f"train.resume_from: {source} is a checkpoint of another model ({detail})")

@@ -1,0 +1,91 @@
+"""LoRA variants without a launch: LoRA+'s groups under the train stage's schedule, all-linear resolved, the
+bitsandbytes base exactly as the merge measures it, and a missing bitsandbytes refused by name."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.model import LoraSpec, describe_targets, load_lora_model, meta_model, parameter_groups, resolve_targets
+from pipeline.trainer import Schedule, lr_scheduler_factory
+
+BNB = importlib.util.find_spec("bitsandbytes") is not None
+ROWS = 49152  # the tiny base's vocabulary
+LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _spec(**changes) -> LoraSpec:
+    settings = {"r": 4, "alpha": 8, "dropout": 0.0, "use_rslora": False, "target_modules": LINEAR}
+    return LoraSpec(**{**settings, "modules_to_save": [], **changes})
+
+
+def test_loraplus_gives_b_and_magnitudes_their_rate_through_the_schedule(tiny_base_dir):
+    """Every lora_B and DoRA magnitude learns at lr x lr_ratio, every lora_A at lr, and the stage's LambdaLR keeps
+    the ratio through warmup and decay (it scales each group's own initial rate)."""
+    model = load_lora_model(base_dir=tiny_base_dir, vocab_rows=ROWS, lora=_spec(use_dora=True), seed=0)
+    groups = parameter_groups(model, 0.01, lr=1e-3, lr_ratio=16.0)
+    rate = {id(p): g["lr"] for g in groups for p in g["params"]}
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert len(rate) == len(trained)
+    for name, param in trained.items():
+        fast = "lora_B" in name or "lora_magnitude_vector" in name
+        assert rate[id(param)] == pytest.approx(1.6e-2 if fast else 1e-3), name
+    optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    schedule = Schedule(
+        micro_batch_size=1, accumulation=1, max_steps=10, warmup_steps=3, lr_scheduler="cosine", eval_every=10,
+        eval_max_rows=0, save_every=10, keep_last=1, seed=0,
+    )  # fmt: skip
+    scheduler = lr_scheduler_factory(schedule)(optimizer)
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+        lrs = sorted({round(g["lr"], 12) for g in optimizer.param_groups})
+        assert len(lrs) == 2 and lrs[1] == pytest.approx(16 * lrs[0]), lrs
+    assert all("lr" not in g for g in parameter_groups(model, 0.01))  # off: DeepSpeed's configured rate applies
+
+
+def test_all_linear_is_every_linear_but_the_head(tiny_base_dir):
+    meta = meta_model(tiny_base_dir)
+    targets = resolve_targets(meta, "all-linear")
+    assert len(targets) == 14 and not any("lm_head" in t for t in targets)
+    assert describe_targets(targets) == ", ".join(f"{leaf} x2" for leaf in sorted(LINEAR))
+    assert resolve_targets(meta, ["q_proj"]) == ["q_proj"]
+
+
+def test_missing_bitsandbytes_is_refused_by_key(monkeypatch):
+    from pipeline.quantization import check_available
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as when it is not installed
+    with pytest.raises(ValueError, match=r"lora.quantization: nf4 needs bitsandbytes"):
+        check_available("nf4", "cpu")
+
+
+@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+@pytest.mark.parametrize(("kind", "dtype"), [("nf4", torch.float32), ("nf4", torch.bfloat16), ("int8", torch.float32)])
+def test_quantized_base_computes_with_the_round_trip_the_merge_measures(tiny_base_dir, kind, dtype):
+    """The weights the loaded 4-bit/8-bit base computes with, after an eval forward (bitsandbytes' CPU repacking
+    trap), equal quantization.round_trip of the file's weights: the "trained base" of the merge's measure; and
+    PEFT's DoRA on it trains (finite gradients) without the base layer's weight being replaced."""
+    from pipeline import quantization
+
+    check = quantization.check_available(kind, "cpu")
+    spec = quantization.Quantization(kind=kind, compute_dtype=dtype, storage_dtype=dtype)
+    lora = _spec(use_dora=True, target_modules="all-linear")
+    model = load_lora_model(base_dir=tiny_base_dir, vocab_rows=ROWS, lora=lora, seed=0, dtype=dtype, quantization=spec)
+    ids = torch.randint(0, ROWS, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.eval()(input_ids=ids)
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    files = load_file(tiny_base_dir / "model.safetensors")
+    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    assert len(layers) == 14, check
+    for name, module in layers:
+        key = name.removeprefix("base_model.model.") + ".weight"
+        expected = quantization.round_trip(files[key], kind=kind, load_dtype=dtype)
+        torch.testing.assert_close(quantization.dequantize(module.base_layer).float(), expected, atol=0, rtol=0)
+        assert type(module.base_layer.weight).__name__ == ("Params4bit" if kind == "nf4" else "Int8Params"), name
+        assert all(torch.isfinite(p.grad).all() for p in module.lora_B.parameters()), name
