@@ -1,13 +1,24 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts."""
+greedy samples from fixed prompts; the table and eval.json name the adapter's variant (DoRA, LoRA+, QLoRA)."""
 
 import argparse
+import csv
+import io
 import json
 from pathlib import Path
 
 from pipeline import config
 from pipeline.atomic import atomic_path, write_json
 from stages._common import run
+
+
+def adapter_variant(adapter_dir: Path) -> dict[str, str]:
+    """What produced the adapter, as strings: `name` ("DoRA + LoRA+ x16 on an nf4 base (bf16 compute)") and the
+    base's `quantization` (none | nf4 | int8 | unknown for an adapter trained elsewhere)."""
+    from pipeline.checkpoints import adapter
+
+    variant = adapter.read_variant(adapter_dir)
+    return {"name": adapter.describe_variant(variant), "quantization": variant.get("quantization") or "unknown"}
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -53,17 +64,23 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             results[set_name][name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
         samples[name] = ev.greedy_samples(model, tokenizer, prompts=e.prompts, max_new_tokens=e.max_new_tokens)
         del model
-    write_json(args.metrics, results)
-    rows = ["set,model,bits_per_byte,perplexity"]
-    rows += [f"{s},{m},{v['bits_per_byte']},{v['perplexity']}" for s, by in results.items() for m, v in by.items()]
+    variant = adapter_variant(args.adapter)
+    write_json(args.metrics, {**results, "variant": variant})
+    table = io.StringIO()
+    writer = csv.writer(table, lineterminator="\n")
+    writer.writerow(["set", "model", "bits_per_byte", "perplexity", "variant"])
+    for s, by in results.items():
+        for m, v in by.items():
+            writer.writerow([s, m, v["bits_per_byte"], v["perplexity"], "" if m == "base" else variant["name"]])
     with atomic_path(args.plot) as tmp:
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        tmp.write_text(table.getvalue(), encoding="utf-8")
     lines = ["# Greedy samples", ""]
     for i, prompt in enumerate(e.prompts):
         answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
         lines += [f"## {prompt}", "", *answers, ""]
     with atomic_path(args.samples) as tmp:
         tmp.write_text("\n".join(lines), encoding="utf-8")
+    print(f"eval: the adapter is {variant['name']}")
     print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8} {'bytes':>8}")
     for s, by in results.items():
         for m, v in by.items():

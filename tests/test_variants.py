@@ -4,6 +4,7 @@ bitsandbytes base exactly as the merge measures it, and a missing bitsandbytes r
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
@@ -89,3 +90,26 @@ def test_quantized_base_computes_with_the_round_trip_the_merge_measures(tiny_bas
         torch.testing.assert_close(quantization.dequantize(module.base_layer).float(), expected, atol=0, rtol=0)
         assert type(module.base_layer.weight).__name__ == ("Params4bit" if kind == "nf4" else "Int8Params"), name
         assert all(torch.isfinite(p.grad).all() for p in module.lora_B.parameters()), name
+
+
+def test_track_tags_name_the_variant(tmp_path):
+    """The MLflow run says what produced the adapter: from variant.json, else what adapter_config.json tells."""
+    from stages.track import variant_tags
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"use_dora": True}))
+    assert variant_tags(tmp_path) == {
+        "variant": "DoRA (base precision unknown)",
+        "variant.dora": "true",
+        "variant.lr_ratio": "unknown",
+        "variant.quantization": "unknown",
+    }
+    variant = {"use_dora": True, "lr_ratio": 16.0, "quantization": "nf4", "compute_dtype": "bf16", "load_dtype": "bf16"}
+    (tmp_path / "variant.json").write_text(json.dumps(variant))
+    assert variant_tags(tmp_path) == {
+        "variant": "DoRA + LoRA+ x16 on an nf4 base (bf16 compute)",
+        "variant.dora": "true",
+        "variant.lr_ratio": "16.0",
+        "variant.quantization": "nf4",
+        "variant.compute_dtype": "bf16",
+    }
+    assert variant_tags(tmp_path / "absent") == {}
