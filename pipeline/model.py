@@ -21,9 +21,11 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 
 
 def check_targets(model: torch.nn.Module, target_modules: list[str], modules_to_save: list[str]) -> None:
-    """Every name must match; PEFT itself only complains when none does."""
+    """Every name (a leaf name, or the full path of one layer as all-linear resolves to) must match a Linear layer;
+    PEFT itself only complains when none does."""
     linear = linear_module_names(model)
-    missing = [t for t in target_modules if t not in linear]
+    paths = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in target_modules if t not in linear and t not in paths]
     if missing:
         raise ValueError(f"lora.target_modules: {missing} match no Linear layer; available: {linear}")
     leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -144,7 +146,7 @@ def load_lora_model(
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
     targets = resolve_targets(model, lora.target_modules)
-    check_targets(model, targets if lora.target_modules != ALL_LINEAR else [], lora.modules_to_save)
+    check_targets(model, targets, lora.modules_to_save)
     model.config.use_cache = False
     torch.manual_seed(seed)
     # PEFT gathers partitioned weights where it reads them (DoRA's initial magnitudes are the weights' row norms)

@@ -85,7 +85,7 @@ def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dic
     lora, t = cfg.lora, cfg.train
     meta = meta_model(args.base)
     targets = resolve_targets(meta, lora.target_modules)
-    check_targets(meta, targets if lora.target_modules != ALL_LINEAR else [], lora.modules_to_save)
+    check_targets(meta, targets, lora.modules_to_save)
     if lora.target_modules == ALL_LINEAR:
         print(f"train: lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
     base_rows = read_json(args.base / "config.json")["vocab_size"]

@@ -86,8 +86,10 @@ def test_offload_variants_match_one_rank(tmp_path, inputs, tiny_base_dir, refere
 
 
 def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir):
-    """With LoRA dropout on, so that the RNG state and the train/eval mode must be restored too."""
-    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2", "lora.dropout=0.1"]
+    """With LoRA dropout on, so that the RNG state and the train/eval mode must be restored too; and DoRA with
+    LoRA+ on all-linear targets, so that the stage builds them and a resume restores magnitudes and the groups."""
+    variants = ["lora.use_dora=true", "lora.lr_ratio=4.0", "lora.target_modules=all-linear"]
+    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2", "lora.dropout=0.1", *variants]
     whole = tmp_path / "whole"
     train(inputs, tiny_base_dir, whole, overrides)
     out = tmp_path / "killed"
@@ -109,6 +111,11 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     assert metrics["resumed_from_step"] == int(first.removeprefix("step_"))
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(whole)), atol=1e-6, rtol=0)
     expected, resumed = load_file(whole / "final.safetensors"), load_file(out / "final.safetensors")
+    assert sum("lora_magnitude_vector" in name for name in expected) == 14
+    run = read_json(out / "checkpoints" / "run.json")
+    assert run["variant"] == {
+        "use_dora": True, "lr_ratio": 4.0, "quantization": "none", "compute_dtype": None, "load_dtype": "fp32"
+    } and len(run["identity"]["target_modules"]) == 14  # fmt: skip
     for name in expected:
         torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
 

@@ -11,7 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.model import LoraSpec, describe_targets, load_lora_model, meta_model, parameter_groups, resolve_targets
+from pipeline.model import (
+    LoraSpec,
+    check_targets,
+    describe_targets,
+    load_lora_model,
+    meta_model,
+    parameter_groups,
+    resolve_targets,
+)
 from pipeline.trainer import Schedule, lr_scheduler_factory
 
 BNB = importlib.util.find_spec("bitsandbytes") is not None
@@ -55,6 +63,9 @@ def test_all_linear_is_every_linear_but_the_head(tiny_base_dir):
     assert len(targets) == 14 and not any("lm_head" in t for t in targets)
     assert describe_targets(targets) == ", ".join(f"{leaf} x2" for leaf in sorted(LINEAR))
     assert resolve_targets(meta, ["q_proj"]) == ["q_proj"]
+    check_targets(meta, targets, [])  # the resolved paths are what the ranks are given
+    with pytest.raises(ValueError, match=r"lora.target_modules: \['model.layers.9.mlp.up_proj'\] match no Linear"):
+        check_targets(meta, ["model.layers.9.mlp.up_proj"], [])
 
 
 def test_missing_bitsandbytes_is_refused_by_key(monkeypatch):
