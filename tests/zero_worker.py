@@ -1,8 +1,9 @@
 """Started by tests through `deepspeed --num_gpus N --module tests.zero_worker`: for each ZeRO stage x precision
 (x LoRA variant), train a LoRA engine two steps on random tokens, save a checkpoint as the train stage does and write
-the live engine's gathered fp32 trainable tensors beside it (final.safetensors). A variant (dora, loraplus, nf4,
-int8, dora_nf4, dora_int8) starts from a non-zero B, and rank 0 also trains it in one process without DeepSpeed on
-the same global batch (reference.safetensors); LoRA+ records its optimizer groups and first update (loraplus.json)."""
+the live engine's gathered fp32 trainable tensors beside it (final.safetensors). A variant (dora, loraplus,
+dora_loraplus, nf4, int8, dora_nf4, dora_int8) starts from a non-zero B, and rank 0 also trains it in one process
+without DeepSpeed on the same global batch (reference.safetensors); LoRA+ records its optimizer groups and first
+update (loraplus.json)."""
 
 import argparse
 import json
@@ -63,7 +64,7 @@ def batch(step: int, rank: int, rows: int) -> torch.Tensor:
 def reference(args: argparse.Namespace, precision: str, variant: str, world: int) -> dict[str, torch.Tensor]:
     """The same training in one process with torch's AdamW: each step on the ranks' micro-batches together."""
     model = build(args, precision, variant, None)
-    ratio = RATIO if variant == "loraplus" else None
+    ratio = RATIO if variant is not None and "loraplus" in variant else None
     optimizer = torch.optim.AdamW(
         parameter_groups(model, WEIGHT_DECAY, lr=LR, lr_ratio=ratio), lr=LR, weight_decay=WEIGHT_DECAY
     )
@@ -104,7 +105,7 @@ def main() -> None:
         )
         quantized = variant is not None and variant.removeprefix("dora_") in ("nf4", "int8")
         model = build(args, precision, variant, config if stage == "3" and not quantized else None)
-        ratio = RATIO if variant == "loraplus" else None
+        ratio = RATIO if variant is not None and "loraplus" in variant else None
         groups = parameter_groups(model, WEIGHT_DECAY, lr=LR, lr_ratio=ratio)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
         engine.train()
