@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -113,11 +114,34 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     expected, resumed = load_file(whole / "final.safetensors"), load_file(out / "final.safetensors")
     assert sum("lora_magnitude_vector" in name for name in expected) == 14
     run = read_json(out / "checkpoints" / "run.json")
-    assert run["variant"] == {
-        "use_dora": True, "lr_ratio": 4.0, "quantization": "none", "compute_dtype": None, "load_dtype": "fp32"
-    } and len(run["identity"]["target_modules"]) == 14  # fmt: skip
+    trained = {"use_dora": True, "lr_ratio": 4.0, "quantization": "none", "compute_dtype": None, "load_dtype": "fp32"}
+    assert run["variant"] == trained and len(run["identity"]["target_modules"]) == 14
     for name in expected:
         torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed here")
+def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, tiny_base_dir):
+    """The train stage on an nf4 base, 2 ranks under ZeRO-3 in bf16, DoRA with LoRA+ on all-linear; consolidated,
+    merged into the unquantized base within the fp32 proof, and its gap to the nf4 base it trained on measured."""
+    from pipeline.checkpoints.consolidate import consolidate
+    from pipeline.merge import merge
+
+    variants = ["lora.quantization=nf4", "lora.use_dora=true", "lora.lr_ratio=16", "lora.target_modules=all-linear"]
+    done = train(
+        inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3", "train.precision=bf16", *variants]
+    )
+    assert "train: the base is loaded in nf4 by bitsandbytes" in done.stdout
+    curve = losses(tmp_path)
+    assert curve[-1] < curve[0], curve
+    manifest = consolidate(checkpoint_dir=tmp_path / "checkpoints", output_dir=tmp_path / "adapter")
+    trained = {"use_dora": True, "lr_ratio": 16.0, "quantization": "nf4", "compute_dtype": "bf16", "load_dtype": "bf16"}
+    assert manifest["variant"] == trained
+    assert sum(key.endswith(".lora_magnitude_vector") for key in manifest["tensors"]) == 14
+    report = merge(base_dir=tiny_base_dir, adapter_dir=tmp_path / "adapter", out_dir=tmp_path / "merged")
+    assert report["variant"] == "DoRA + LoRA+ x16 on an nf4 base (bf16 compute)"
+    assert report["verification"]["max_abs_logit_diff"] < report["verification"]["limit_abs"]
+    assert report["against_trained_base"]["quantization"] == "nf4" and report["against_trained_base"]["mean_kl"] > 0
 
 
 def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
