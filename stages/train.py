@@ -150,6 +150,7 @@ def prepare_checkpoints(*, directory: Path, state: dict, resume_from: Path | Non
         saved, source = folder.read_state(resume_from, tag), resume_from / tag
     if source is not None:
         folder.check_same_model(saved, source.parent, state["identity"])
+        folder.check_same_rates(saved, source.parent, state["variant"]["lr_ratio"])
     directory.mkdir(parents=True, exist_ok=True)
     here = (state["world_size"], state["zero_stage"])
     if source is None or folder.layout(saved) == here:

@@ -124,3 +124,14 @@ def test_track_tags_name_the_variant(tmp_path):
         "variant.compute_dtype": "bf16",
     }
     assert variant_tags(tmp_path / "absent") == {}
+
+
+def test_resume_under_another_lora_plus_ratio_is_refused(tmp_path):
+    from pipeline.checkpoints.folder import check_same_rates
+
+    check_same_rates({"identity": {}}, tmp_path, None)  # a checkpoint from before LoRA+ existed: plain groups
+    check_same_rates({"variant": {"lr_ratio": 16.0}}, tmp_path, 16.0)
+    with pytest.raises(ValueError, match=r"lora.lr_ratio: .* was trained with lr_ratio None, this run has 16.0"):
+        check_same_rates({"variant": {"lr_ratio": None}}, tmp_path, 16.0)
+    with pytest.raises(ValueError, match=r"expected lora.lr_ratio=16.0"):
+        check_same_rates({"variant": {"lr_ratio": 16.0}}, tmp_path, 4.0)
