@@ -199,12 +199,20 @@ def test_batch_arithmetic_error_exits_2_without_traceback(tmp_path, inputs, tiny
     assert "Traceback" not in done.stderr
 
 
-def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference):
-    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", "lora.r=8", f"train.resume_from={reference / 'checkpoints'}"]
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora.r=8", "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)"),
+        ("lora.use_dora=true", "is a checkpoint of another model (use_dora: checkpoint False, this run True)"),
+        ("lora.lr_ratio=16", "was trained with lr_ratio None, this run has 16.0; its optimizer groups"),
+    ],
+)
+def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference, override, message):
+    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", override, f"train.resume_from={reference / 'checkpoints'}"]
     before = sorted(p.name for p in (reference / "checkpoints").iterdir())
     done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
     assert done.returncode == 2, done.stderr
-    assert "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)" in done.stderr
+    assert message in done.stderr
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
 
 
