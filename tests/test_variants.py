@@ -135,3 +135,33 @@ def test_resume_under_another_lora_plus_ratio_is_refused(tmp_path):
         check_same_rates({"variant": {"lr_ratio": None}}, tmp_path, 16.0)
     with pytest.raises(ValueError, match=r"expected lora.lr_ratio=16.0"):
         check_same_rates({"variant": {"lr_ratio": 16.0}}, tmp_path, 4.0)
+
+
+@pytest.mark.integration
+def test_track_stage_tags_the_run_with_the_variant(tmp_path, monkeypatch):
+    """stages/track.py on an adapter folder alone (every other file absent): the MLflow run carries its variant."""
+    import argparse
+
+    import yaml
+    from mlflow import MlflowClient
+
+    from pipeline import config
+    from stages import track
+    from tests.conftest import REPO
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"use_dora": False}))
+    variant = {"use_dora": False, "lr_ratio": None, "quantization": "int8", "compute_dtype": None, "load_dtype": "bf16"}
+    (adapter / "variant.json").write_text(json.dumps(variant))
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config.compose(REPO / "conf", [f"tracking.uri={uri}"])))
+    monkeypatch.chdir(tmp_path)
+    absent = tmp_path / "absent"
+    args = argparse.Namespace(
+        lock=absent, metrics=[], curve=absent, eval_table=absent, samples=absent, adapter=adapter, merged=absent,
+        run_id_file=tmp_path / "run.json", params=str(tmp_path / "params.yaml"),
+    )  # fmt: skip
+    track.main(args, config.load(tmp_path / "params.yaml"))
+    run = MlflowClient(uri).get_run(json.loads((tmp_path / "run.json").read_text())["run_id"])
+    assert run.data.tags["variant"] == "LoRA on an int8 base" and run.data.tags["variant.quantization"] == "int8"
