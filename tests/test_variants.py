@@ -77,6 +77,21 @@ def test_missing_bitsandbytes_is_refused_by_key(monkeypatch):
 
 
 @pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+def test_bitsandbytes_that_cannot_quantize_here_is_refused_by_key(monkeypatch):
+    """As on a machine without a backend for it: bitsandbytes imports, its round trip raises."""
+    import bitsandbytes.functional
+
+    from pipeline.quantization import check_available
+
+    def no_backend(*args, **kwargs):
+        raise NotImplementedError("no kernel for this device")
+
+    monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_backend)
+    with pytest.raises(ValueError, match=r"lora.quantization: bitsandbytes .* cannot quantize to nf4 on cpu here"):
+        check_available("nf4", "cpu")
+
+
+@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
 @pytest.mark.parametrize(("kind", "dtype"), [("nf4", torch.float32), ("nf4", torch.bfloat16), ("int8", torch.float32)])
 def test_quantized_base_computes_with_the_round_trip_the_merge_measures(tiny_base_dir, kind, dtype):
     """The weights the loaded 4-bit/8-bit base computes with, after an eval forward (bitsandbytes' CPU repacking
