@@ -1,8 +1,8 @@
 """The base model's weights for training, never more than a rank needs: loaded whole in the training dtype (ZeRO
-0-2 keep the whole model on every rank), or built inside DeepSpeed's partitioned initialisation with each rank
-reading only its own ZeRO-3 slice of every tensor from the safetensors shards, so that no rank ever holds a whole
-parameter. Rows a grown vocabulary adds are the mean of the old rows (or seeded normal noise): the same values
-on either path, whatever the world size."""
+0-2 keep the whole model on every rank; so is a base bitsandbytes quantizes as it loads), or built inside
+DeepSpeed's partitioned initialisation with each rank reading only its own ZeRO-3 slice of every tensor from the
+safetensors shards, so that no rank ever holds a whole parameter. Rows a grown vocabulary adds are the mean of the
+old rows (or seeded normal noise): the same values on either path, whatever the world size."""
 
 from __future__ import annotations
 
@@ -78,11 +78,14 @@ def _embedding_names(model: torch.nn.Module) -> set[str]:
     return {name for name, param in model.named_parameters() if id(param) in weights}
 
 
-def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int) -> torch.nn.Module:
-    """The base in `dtype`, its embeddings grown to `vocab_rows` rows."""
+def load_whole(
+    *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, load_kwargs: dict | None = None
+) -> torch.nn.Module:
+    """The base in `dtype`, its embeddings grown to `vocab_rows` rows; `load_kwargs` go to from_pretrained (a
+    quantization config and where to load)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, **(load_kwargs or {}))
     old = model.get_input_embeddings().weight.shape[0]
     if vocab_rows < old:
         raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
@@ -95,7 +98,7 @@ def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str
     with torch.no_grad():
         for name in _embedding_names(model):
             grown = added_rows(sources[name], init=init, seed=seed, std=std)
-            params[name][old:] = grown(old, vocab_rows).to(dtype)
+            params[name][old:] = grown(old, vocab_rows).to(params[name].device, dtype)
     return model
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 PositiveInt = Field(gt=0)
 TASKS_KEY = "tasks"  # eval.json: task accuracies beside the eval sets' bits per byte
+VARIANT_KEY = "variant"  # eval.json: what produced the adapter (DoRA, LoRA+, QLoRA)
 Fraction = Field(ge=0.0, lt=1.0)
 
 
@@ -94,9 +95,22 @@ class LoraConfig(Section):
     alpha: float = Field(gt=0.0)
     dropout: float = Fraction
     use_rslora: bool
-    target_modules: list[str] = Field(min_length=1)
+    target_modules: Annotated[list[str], Field(min_length=1)] | Literal["all-linear"]
     modules_to_save: list[str]
     init_new_embeddings: Literal["mean", "normal"]
+    use_dora: bool
+    lr_ratio: float | None = Field(gt=0.0)
+    quantization: Literal["none", "nf4", "int8"]
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"]
+
+    @model_validator(mode="after")
+    def _quantization(self) -> LoraConfig:
+        if self.compute_dtype != "auto" and self.quantization != "nf4":
+            raise ValueError(
+                f"lora.compute_dtype: {self.compute_dtype} applies to a 4-bit base only (lora.quantization=nf4); "
+                f"expected auto with quantization={self.quantization}"
+            )
+        return self
 
 
 class DeepSpeedConfig(Section):
@@ -161,8 +175,9 @@ class EvalConfig(Section):
     def _window(self) -> EvalConfig:
         if self.stride > self.context:
             raise ValueError(f"eval.stride: must be <= eval.context ({self.context}), got {self.stride}")
-        if TASKS_KEY in self.sets:
-            raise ValueError(f"eval.sets: {TASKS_KEY!r} names the task results in eval.json; rename that set")
+        for reserved in (TASKS_KEY, VARIANT_KEY):
+            if reserved in self.sets:
+                raise ValueError(f"eval.sets: {reserved!r} names other figures in eval.json; rename that set")
         return self
 
 
@@ -222,6 +237,16 @@ class Config(Section):
     eval: EvalConfig
     tracking: TrackingConfig
     launcher: LauncherConfig
+
+    @model_validator(mode="after")
+    def _variants(self) -> Config:
+        if self.lora.quantization != "none" and self.deepspeed.offload_param:
+            raise ValueError(
+                f"deepspeed.offload_param: a quantized base (lora.quantization={self.lora.quantization}) is packed in "
+                "bitsandbytes' own tensors, which DeepSpeed's parameter offload does not move; expected "
+                "offload_param=false (offload_optimizer is fine)"
+            )
+        return self
 
 
 def _known_keys(model: type[BaseModel] = None, prefix: str = "") -> list[str]:

@@ -2,9 +2,11 @@
 computed.
 
 W' = W + scale * (B @ A) in fp32 (scale = alpha / r, or alpha / sqrt(r) with rsLoRA; rank_pattern/alpha_pattern
-honoured; transposed for fan_in_fan_out), then cast. modules_to_save tensors replace the base's. A tied base stays
-tied when input and output embeddings end up equal, and is untied (with a note) when only one side changed. The base
-may be safetensors or PyTorch pickles in any float dtype; a tokenizer is checked when there is one."""
+honoured; transposed for fan_in_fan_out), then cast. A DoRA adapter's layers become m / ||V|| x V with V that sum,
+one L2 norm per output row (taken over the inputs, as PEFT's DoRA computes it), m its trained magnitude.
+modules_to_save tensors replace the base's. A tied base stays tied when input and output embeddings end up equal,
+and is untied (with a note) when only one side changed. The base may be safetensors or PyTorch pickles in any
+float dtype; a tokenizer is checked when there is one."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
-from pipeline.checkpoints.adapter import PREFIX, pattern_value
+from pipeline.checkpoints.adapter import MAGNITUDE, PREFIX, pattern_value
 from pipeline.checkpoints.model_files import FileTensor, model_tensors
 from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.merge_verify import TOLERANCES, logits_gap
@@ -33,11 +35,23 @@ NO_TOKENIZER = "no tokenizer in the base or adapter folder, and none given"
 SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
+@dataclass(frozen=True)
+class Delta:
+    """One LoRA layer's change: B @ A x scale, added transposed for a Conv1D-style (in, out) weight; with DoRA the
+    magnitude m (out,) that rescales each output row of the sum to it."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    transposed: bool
+    magnitude: torch.Tensor | None = None
+
+
 @dataclass
 class Plan:
     """What happens to each base tensor, decided (and checked) before anything is written."""
 
-    deltas: dict[str, tuple[torch.Tensor, torch.Tensor, float, bool]] = field(default_factory=dict)  # A, B, scale, T
+    deltas: dict[str, Delta] = field(default_factory=dict)
     replacements: dict[str, FileTensor] = field(default_factory=dict)
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
@@ -54,9 +68,8 @@ def parse_size(text: str) -> int:
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
     """adapter_config.json and the adapter's tensors (not read yet); variants this merge cannot fold are refused."""
     config, tensors = adapter_format.read(adapter_dir)
-    for flag in ("use_dora", "lora_bias"):
-        if config.get(flag):
-            raise ValueError(f"{adapter_dir / adapter_format.CONFIG}: {flag} is true; not supported by this merge")
+    if config.get("lora_bias"):
+        raise ValueError(f"{adapter_dir / adapter_format.CONFIG}: lora_bias is true; not supported by this merge")
     return config, tensors
 
 
@@ -76,12 +89,15 @@ def plan_merge(
     if tied and head not in base:
         base = {**base, head: base[embed]}  # the output side reads the input embeddings
     fan_in_fan_out, flipped = bool(config.get("fan_in_fan_out")), []
+    dora = bool(config.get("use_dora"))
     for key in sorted(adapter):
         if not key.startswith(PREFIX):
             raise ValueError(f"{where}: tensor {key}: expected names starting with {PREFIX!r} (PEFT's save format)")
         name = key[len(PREFIX) :]
-        if ".lora_B." in name or ".original_module." in name or ".modules_to_save." in name:
-            continue  # B goes with A; the others are copies PEFT's own save adds beside `module.weight`
+        if name.endswith(f".{MAGNITUDE}") and not dora:
+            raise ValueError(f"{where}: {key} is a DoRA magnitude but adapter_config.json has use_dora false")
+        if ".lora_B." in name or ".original_module." in name or ".modules_to_save." in name or MAGNITUDE in name:
+            continue  # B and m go with A; the others are copies PEFT's own save adds beside `module.weight`
         if ".lora_A." in name:
             module = name.split(".lora_A.")[0]
             b_key, target = f"{PREFIX}{module}.lora_B.weight", f"{module}.weight"
@@ -104,7 +120,9 @@ def plan_merge(
                 )
             if transposed != fan_in_fan_out:
                 flipped.append(module)
-            plan.deltas[target] = (a, b, scale, transposed)
+            plan.deltas[target] = Delta(
+                a, b, scale, transposed, _magnitude(adapter, module=module, rows=b.shape[0], where=where, dora=dora)
+            )
         else:
             target = name
             if target not in base:
@@ -122,6 +140,21 @@ def plan_merge(
     plan.vocab_rows = plan.replacements.get(embed, base[embed]).shape[0]
     _decide_tie(plan, tied=tied, embed=embed, head=head, base_rows=base[embed].shape[0])
     return plan
+
+
+def _magnitude(
+    adapter: dict[str, FileTensor], *, module: str, rows: int, where: str, dora: bool
+) -> torch.Tensor | None:
+    """DoRA's magnitude of `module` (one value per output row), checked; None without DoRA."""
+    if not dora:
+        return None
+    key = f"{PREFIX}{module}.{MAGNITUDE}"
+    if key not in adapter:
+        raise ValueError(f"{where}: adapter_config.json has use_dora true but {module} has no {MAGNITUDE}")
+    magnitude = adapter[key].read()
+    if tuple(magnitude.shape) != (rows,):
+        raise ValueError(f"{where}: {key} has shape {tuple(magnitude.shape)}, expected ({rows},): one per output row")
+    return magnitude
 
 
 def _orientation(a: torch.Tensor, b: torch.Tensor, base_shape: tuple, fan_in_fan_out: bool) -> bool | None:
@@ -158,13 +191,19 @@ def _decide_tie(plan: Plan, *, tied: bool, embed: str, head: str, base_rows: int
     plan.notes.append(f"untied {embed} and {head}: the adapter changed the {side} embeddings differently")
 
 
+def merged_weight(weight: torch.Tensor, delta: Delta) -> torch.Tensor:
+    """The weight with the LoRA layer folded in, in fp32: W + scale x B @ A, and with DoRA m / ||V|| x V (V that
+    sum, its L2 norm per output row over the inputs)."""
+    rows = weight.float().T if delta.transposed else weight.float()  # (out, in)
+    rows = rows + (delta.b.float() @ delta.a.float()) * delta.scale
+    if delta.magnitude is not None:
+        rows = (delta.magnitude.float() / torch.linalg.norm(rows, dim=1)).unsqueeze(1) * rows
+    return rows.T.contiguous() if delta.transposed else rows
+
+
 def _merged_tensor(key: str, base: FileTensor, plan: Plan) -> torch.Tensor:
     value = plan.replacements.get(key, base).read().float()
-    if key in plan.deltas:
-        a, b, scale, transposed = plan.deltas[key]
-        delta = (b.float() @ a.float()) * scale
-        value += delta.T if transposed else delta
-    return value
+    return merged_weight(value, plan.deltas[key]) if key in plan.deltas else value
 
 
 def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
@@ -249,6 +288,30 @@ def _check_tokenizer(folder: Path | None, rows: int) -> int | None:
     return size
 
 
+def against_trained_base(*, base_dir: Path, adapter_dir: Path, merged_dir: Path, plan: Plan) -> dict:
+    """For an adapter trained on a quantized base (its variant.json says so): the logits gap between the merged
+    model and the quantized base + adapter it was trained as (a measure, not a check: merging into the unquantized
+    base is meant to differ from it); nothing otherwise."""
+    from functools import partial
+
+    from pipeline import quantization
+
+    variant = adapter_format.read_variant(adapter_dir)
+    kind = variant.get("quantization")
+    if kind not in quantization.KINDS:
+        return {}
+    try:
+        quantization.check_available(kind, "cpu")
+    except ValueError as err:
+        plan.notes.append(f"the gap to the {kind} base the adapter was trained on is not measured: {err}")
+        return {}
+    trained = partial(quantization.round_trip, kind=kind, load_dtype=DTYPES[variant["load_dtype"]])
+    gap = logits_gap(
+        base_dir=base_dir, adapter_dir=adapter_dir, merged_dir=merged_dir, rows=plan.vocab_rows, base_linear=trained
+    )
+    return {"against_trained_base": {**gap, "quantization": kind, "base_loaded_as": variant["load_dtype"]}}
+
+
 def merge(
     *,
     base_dir: Path,
@@ -279,6 +342,7 @@ def merge(
     tokenizer_dir = tokenizer_dir or find_tokenizer([adapter_dir, base_dir])
     tokens = _check_tokenizer(tokenizer_dir, plan.vocab_rows)
     report = {
+        "variant": adapter_format.describe_variant(adapter_format.read_variant(adapter_dir)),
         "lora_layers": len(plan.deltas),
         "replaced": sorted(plan.replacements),
         "tied": tied and not plan.extra,
@@ -299,6 +363,7 @@ def merge(
             if (tokenizer_dir / name).is_file():
                 shutil.copy2(tokenizer_dir / name, tmp / name)
         if verify:
+            report.update(against_trained_base(base_dir=base_dir, adapter_dir=adapter_dir, merged_dir=tmp, plan=plan))
             limit_abs, limit_kl = TOLERANCES[dtype]
             limit_abs, limit_kl = max_abs_logit_diff or limit_abs, max_kl or limit_kl
             gap = logits_gap(base_dir=base_dir, adapter_dir=adapter_dir, merged_dir=tmp, rows=plan.vocab_rows)

@@ -15,22 +15,41 @@ from pipeline.checkpoints.model_files import FileTensor, model_tensors
 
 TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
 Source = Callable[[], torch.Tensor]  # a parameter's value, read when its block runs
+Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
-def logits_gap(*, base_dir: Path, adapter_dir: Path, merged_dir: Path, rows: int, seed: int = 0) -> dict:
-    """Base + adapter (through PEFT) against the merged model on fixed token sequences, both in fp32."""
+def logits_gap(
+    *,
+    base_dir: Path,
+    adapter_dir: Path,
+    merged_dir: Path,
+    rows: int,
+    seed: int = 0,
+    base_linear: Transform | None = None,
+) -> dict:
+    """Base + adapter (through PEFT) against the merged model on fixed token sequences, both in fp32; with
+    `base_linear`, the base's Linear weights (the output head aside) go through it first (a quantized base as it
+    computes: see pipeline/quantization.py round_trip)."""
     ids = torch.randint(0, rows, (2, 48), generator=torch.Generator().manual_seed(seed))
-    expected = streamed_logits(base_dir, ids, rows=rows, adapter_dir=adapter_dir)
+    expected = streamed_logits(base_dir, ids, rows=rows, adapter_dir=adapter_dir, base_linear=base_linear)
     got = streamed_logits(merged_dir, ids, rows=rows)
     log_p, log_q = expected.log_softmax(-1), got.log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
     return {"max_abs_logit_diff": float((expected - got).abs().max()), "mean_kl": float(kl), "tokens": ids.numel()}
 
 
-def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_dir: Path | None = None) -> torch.Tensor:
+def streamed_logits(
+    model_dir: Path,
+    ids: torch.Tensor,
+    *,
+    rows: int,
+    adapter_dir: Path | None = None,
+    base_linear: Transform | None = None,
+) -> torch.Tensor:
     """fp32 logits of the model in `model_dir` (with the PEFT adapter of `adapter_dir` applied, unmerged, when
-    given), its embeddings `rows` long; every parameter is read from the files just before the block that uses it
-    runs, and dropped right after."""
+    given; the weights of its Linear layers but the output head through `base_linear` when given), its embeddings
+    `rows` long; every parameter is read from the files just before the block that uses it runs, and dropped right
+    after."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,6 +61,8 @@ def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_di
     if model.get_input_embeddings().weight.shape[0] != rows:
         model.resize_token_embeddings(rows, mean_resizing=False)  # meta in, meta out
     blocks = set(model._no_split_modules or ())
+    head = model.get_output_embeddings()
+    linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
     base = model_tensors(model_dir)
     if adapter_dir is None:
         sources = _sources(model, lambda name: base.get(name), str(model_dir))
@@ -51,6 +72,9 @@ def streamed_logits(model_dir: Path, ids: torch.Tensor, *, rows: int, adapter_di
         _, tensors = adapter_format.read(adapter_dir)  # a LoRA adapter, its tensors under PEFT's saved names
         model = get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)), autocast_adapter_dtype=False)
         sources = _sources(model, lambda name: _peft_tensor(name, base, tensors), f"{model_dir} + {adapter_dir}")
+    for name in sources if base_linear is not None else ():
+        if _base_name(name) in linear and ".lora_" not in name and ".modules_to_save." not in name:
+            sources[name] = _through(sources[name], base_linear)
     handles = _stream(model.eval(), sources, blocks)
     try:
         with torch.no_grad():
@@ -65,8 +89,16 @@ def _peft_tensor(name: str, base: dict[str, FileTensor], adapter: dict[str, File
     base's (`base_layer`, `original_module`)."""
     if ".lora_" in name or ".modules_to_save." in name:
         return adapter.get(adapter_format.peft_key(name))
-    plain = name.removeprefix(adapter_format.PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
-    return base.get(plain)
+    return base.get(_base_name(name))
+
+
+def _base_name(name: str) -> str:
+    """A parameter name of the PEFT-wrapped model as the base model names it."""
+    return name.removeprefix(adapter_format.PREFIX).replace(".base_layer.", ".").replace(".original_module.", ".")
+
+
+def _through(source: Source, transform: Transform) -> Source:
+    return lambda: transform(source()).float()
 
 
 def _sources(model: torch.nn.Module, find: Callable[[str], FileTensor | None], where: str) -> dict[str, Source]:

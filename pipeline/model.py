@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.quantization import Quantization
+
+ALL_LINEAR = "all-linear"
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:
@@ -14,15 +21,32 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 
 
 def check_targets(model: torch.nn.Module, target_modules: list[str], modules_to_save: list[str]) -> None:
-    """Every name must match; PEFT itself only complains when none does."""
+    """Every name (a leaf name, or the full path of one layer as all-linear resolves to) must match a Linear layer;
+    PEFT itself only complains when none does."""
     linear = linear_module_names(model)
-    missing = [t for t in target_modules if t not in linear]
+    paths = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in target_modules if t not in linear and t not in paths]
     if missing:
         raise ValueError(f"lora.target_modules: {missing} match no Linear layer; available: {linear}")
     leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     absent = [m for m in modules_to_save if m not in leaves]
     if absent:
         raise ValueError(f"lora.modules_to_save: {absent} match no module of the model")
+
+
+def resolve_targets(model: torch.nn.Module, target_modules: list[str] | str) -> list[str]:
+    """The LoRA targets as PEFT will wrap them: `all-linear` as the full path of every Linear layer but the output
+    head (PEFT's own rule), sorted; a list of leaf names as it is."""
+    if target_modules != ALL_LINEAR:
+        return list(target_modules)
+    head = model.get_output_embeddings()
+    return sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head)
+
+
+def describe_targets(targets: list[str]) -> str:
+    """Targets by leaf name with their counts ("down_proj x30, q_proj x30"): short enough for an MLflow param."""
+    counts = Counter(name.rsplit(".", 1)[-1] for name in targets)
+    return ", ".join(f"{leaf} x{n}" if n > 1 else leaf for leaf, n in sorted(counts.items()))
 
 
 def meta_model(base_dir: Path) -> torch.nn.Module:
@@ -41,9 +65,10 @@ class LoraSpec:
     alpha: float
     dropout: float
     use_rslora: bool
-    target_modules: list[str]
+    target_modules: list[str] | str  # leaf names, full module paths, or all-linear
     modules_to_save: list[str]
     init_new_embeddings: str = "mean"  # mean | normal: rows added by the resize
+    use_dora: bool = False
 
 
 def peft_config(lora: LoraSpec, model_config):
@@ -55,7 +80,8 @@ def peft_config(lora: LoraSpec, model_config):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         use_rslora=lora.use_rslora,
-        target_modules=list(lora.target_modules),  # PEFT edits the lists it is given
+        use_dora=lora.use_dora,
+        target_modules=list(lora.target_modules) if lora.target_modules != ALL_LINEAR else ALL_LINEAR,  # PEFT edits
         modules_to_save=list(lora.modules_to_save) or None,
         ensure_weight_tying=bool(model_config.tie_word_embeddings and lora.modules_to_save),
         task_type="CAUSAL_LM",
@@ -97,52 +123,82 @@ def load_lora_model(
     dtype: torch.dtype = torch.float32,
     gradient_checkpointing: bool = False,
     zero3_config: dict | None = None,
+    quantization: Quantization | None = None,
+    device: str = "cpu",
 ):
     """The base in the dtype it trains in (whole, or with `zero3_config` partitioned across the ranks as it is
-    built), its embeddings grown to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
+    built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings grown
+    to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
     from peft import get_peft_model
 
     from pipeline import base_weights
 
-    if zero3_config is None:
-        model = base_weights.load_whole(
-            base_dir=base_dir, dtype=dtype, vocab_rows=vocab_rows, init=lora.init_new_embeddings, seed=seed
-        )
+    common = {"base_dir": base_dir, "dtype": dtype, "vocab_rows": vocab_rows, "init": lora.init_new_embeddings}
+    if quantization is not None:
+        from pipeline import quantization as bnb_base
+
+        model = base_weights.load_whole(**common, seed=seed, load_kwargs=bnb_base.load_kwargs(quantization, device))
+        bnb_base.prepare(model)
+        if lora.use_dora:
+            bnb_base.patch_peft_dequantize()
+    elif zero3_config is None:
+        model = base_weights.load_whole(**common, seed=seed)
     else:
-        model = base_weights.load_partitioned(
-            base_dir=base_dir,
-            dtype=dtype,
-            vocab_rows=vocab_rows,
-            init=lora.init_new_embeddings,
-            seed=seed,
-            zero3_config=zero3_config,
-        )
-    check_targets(model, lora.target_modules, lora.modules_to_save)
+        model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
+    targets = resolve_targets(model, lora.target_modules)
+    check_targets(model, targets, lora.modules_to_save)
     model.config.use_cache = False
     torch.manual_seed(seed)
-    model = get_peft_model(model, peft_config(lora, model.config), autocast_adapter_dtype=False)  # one dtype
+    # PEFT gathers partitioned weights where it reads them (DoRA's initial magnitudes are the weights' row norms)
+    # only while transformers knows the ZeRO-3 config.
+    known = _zero3_known(zero3_config) if zero3_config is not None and lora.use_dora else None
+    model = get_peft_model(
+        model, peft_config(replace(lora, target_modules=targets), model.config), autocast_adapter_dtype=False
+    )  # one dtype
+    del known
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices, none on biases, norms and embeddings."""
-    decay, no_decay = [], []
+def _zero3_known(zero3_config: dict):
+    """Transformers' handle on a ZeRO-3 config: while it lives, is_deepspeed_zero3_enabled() is true."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(dict(zero3_config))
+
+
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, *, lr: float | None = None, lr_ratio: float | None = None
+) -> list[dict]:
+    """AdamW groups: decay on matrices, none on biases, norms and embeddings. With `lr_ratio` (LoRA+, as PEFT's
+    create_loraplus_optimizer: every lora_B and every 1-D trained tensor, DoRA's magnitudes included) those learn
+    at lr x lr_ratio, the rest at `lr`; the weight decay stays as above. Empty groups are left out (DeepSpeed drops
+    them too); the first group learns at `lr`."""
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         plain = param.ndim < 2 or "norm" in name or "bias" in name or "embed_tokens" in name
-        (no_decay if plain else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        fast = lr_ratio is not None and ("lora_B" in name or param.ndim == 1)
+        groups.setdefault((fast, plain), []).append(param)
+    out = []
+    for fast, plain in sorted(groups):
+        group = {"params": groups[fast, plain], "weight_decay": 0.0 if plain else weight_decay}
+        if lr_ratio is not None:
+            group["lr"] = lr * lr_ratio if fast else lr
+        out.append(group)
+    return out
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; under ZeRO-3 the partitioned sizes are read from ds_numel."""
+    """(trainable, total) parameter counts; under ZeRO-3 the partitioned sizes are read from ds_numel; a 4-bit
+    weight counts its values, not its packed bytes."""
     trainable = total = 0
     for param in model.parameters():
         n = getattr(param, "ds_numel", param.numel())
+        if type(param).__name__ == "Params4bit":  # two 4-bit values per byte of its packed storage
+            n *= 2 * param.element_size()
         total += n
         trainable += n if param.requires_grad else 0
     return trainable, total

@@ -46,7 +46,7 @@ def _data(params: dict, dataset: dict) -> list[str]:
 def _evaluation(evaluation: dict) -> list[str]:
     """eval.json as tables: bits per byte per set, then task scores with standard errors, for every model."""
     tasks = evaluation.get("tasks", {})
-    sets = {name: by_model for name, by_model in evaluation.items() if name != "tasks"}
+    sets = {name: by_model for name, by_model in evaluation.items() if name not in ("tasks", "variant")}
     lines = ["| set | model | bits per byte | perplexity |", "|---|---|---|---|"]
     lines += [
         f"| {name} | {model} | {v['bits_per_byte']} | {v['perplexity']} |"

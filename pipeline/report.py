@@ -10,10 +10,11 @@ def _number(value, digits: int = 4) -> str:
 
 def evaluation_table(evaluation: dict) -> list[str]:
     """Set x model: bits per byte, perplexity, tokens; then task x model: each metric with its standard error
-    (eval.json keeps the task scores under "tasks": {task: {model: {metric, metric_stderr, samples}}})."""
+    (eval.json keeps the task scores under "tasks": {task: {model: {metric, metric_stderr, samples}}}) and the
+    adapter's variant."""
     lines = [f"{'set':<16}{'model':<9}{'bits/byte':>11}{'perplexity':>12}{'tokens':>9}{'accuracy':>16}"]
     for name, models in evaluation.items():
-        if name == "tasks":
+        if name in ("tasks", "variant"):  # config.TASKS_KEY, config.VARIANT_KEY
             continue
         for model, figures in models.items():
             lines.append(
@@ -29,6 +30,8 @@ def evaluation_table(evaluation: dict) -> list[str]:
                 shown = f"{value:.3f}" + ("" if error is None else f" ± {error:.3f}")
                 label = f"{task} {metric}"
                 lines.append(f"{label[:15]:<16}{model[:8]:<9}{'-':>11}{'-':>12}{'-':>9}{shown:>16}")
+    if "variant" in evaluation:
+        lines.append(f"adapter: {evaluation['variant']['name']}")
     return lines
 
 

@@ -11,24 +11,38 @@ from stages._common import run
 
 
 def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
-    """The LoRA model inside a DeepSpeed engine, as the stage's ds_config.json describes it (the base loaded in the
-    dtype the engine trains in; under ZeRO-3 each rank builds and loads only its partition); and its schedule."""
+    """The LoRA model inside a DeepSpeed engine, as the stage's ds_config.json and run.json describe it (the base
+    loaded in the dtype the engine trains in, under ZeRO-3 each rank building and loading only its partition, or
+    quantized whole on every rank; LoRA+ groups); and its schedule."""
     import deepspeed
 
     from pipeline import ds_config as dsc
     from pipeline import trainer
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
+    from pipeline.precision import DTYPES
+    from pipeline.quantization import Quantization
 
     t, ds_config = cfg.train, read_json(args.checkpoints / "ds_config.json")
+    launch, variant = run_state["launch"], run_state["variant"]
+    quantization = None
+    if variant["quantization"] != "none":
+        quantization = Quantization(
+            kind=variant["quantization"],
+            compute_dtype=DTYPES[variant["compute_dtype"]],
+            storage_dtype=dsc.module_dtype(ds_config),
+        )
+    lora = cfg.lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})
     model = load_lora_model(
         base_dir=args.base,
         vocab_rows=run_state["identity"]["vocab_rows"],
-        lora=LoraSpec(**cfg.lora.model_dump()),
+        lora=LoraSpec(**{**lora, "target_modules": run_state["identity"]["target_modules"]}),
         seed=t.seed,
         dtype=dsc.module_dtype(ds_config),
-        gradient_checkpointing=run_state["launch"]["gradient_checkpointing"],
+        gradient_checkpointing=launch["gradient_checkpointing"],
         zero3_config=ds_config if ds_config["zero_optimization"]["stage"] == 3 else None,
+        quantization=quantization,
+        device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch["accelerator"] == "cuda" else "cpu",
     )
     schedule = trainer.Schedule(
         micro_batch_size=t.micro_batch_size,
@@ -44,7 +58,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     )
     engine, *_ = deepspeed.initialize(
         model=model,
-        model_parameters=parameter_groups(model, t.weight_decay),
+        model_parameters=parameter_groups(model, t.weight_decay, lr=t.lr, lr_ratio=variant["lr_ratio"]),
         config=ds_config,
         lr_scheduler=trainer.lr_scheduler_factory(schedule),
     )

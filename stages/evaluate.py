@@ -1,13 +1,25 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts, and the accuracy of each on the lm-evaluation-harness tasks of eval.tasks."""
+greedy samples from fixed prompts, and the accuracy of each on the lm-evaluation-harness tasks of eval.tasks; the table
+and eval.json name the adapter's variant (DoRA, LoRA+, QLoRA)."""
 
 import argparse
+import csv
+import io
 import json
 from pathlib import Path
 
 from pipeline import config
 from pipeline.atomic import atomic_path, read_json, write_json
 from stages._common import run
+
+
+def adapter_variant(adapter_dir: Path) -> dict[str, str]:
+    """What produced the adapter, as strings: `name` ("DoRA + LoRA+ x16 on an nf4 base (bf16 compute)") and the
+    base's `quantization` (none | nf4 | int8 | unknown for an adapter trained elsewhere)."""
+    from pipeline.checkpoints import adapter
+
+    variant = adapter.read_variant(adapter_dir)
+    return {"name": adapter.describe_variant(variant), "quantization": variant.get("quantization") or "unknown"}
 
 
 def proven(merged: Path) -> str | None:
@@ -50,14 +62,21 @@ def score_model(cfg: config.Config, args: argparse.Namespace, name: str, folder:
     return figures, samples, tasks.run_tasks(model, tokenizer, specs, batch_size=e.batch_size, limit=e.task_limit)
 
 
-def write_outputs(args: argparse.Namespace, prompts: list[str], results: dict, task_results: dict, samples: dict):
+def write_outputs(
+    args: argparse.Namespace, prompts: list[str], results: dict, task_results: dict, samples: dict, *, variant: str
+) -> None:
     from pipeline import tasks
 
-    rows = ["bar,set,model,bits_per_byte,perplexity"]  # one bar per set and model
+    table = io.StringIO()
+    writer = csv.writer(table, lineterminator="\n")
+    writer.writerow(["bar", "set", "model", "bits_per_byte", "perplexity", "variant"])  # one bar per set and model
     for set_name, by_model in results.items():
-        rows += [f"{set_name} / {m},{set_name},{m},{v['bits_per_byte']},{v['perplexity']}" for m, v in by_model.items()]
+        for m, v in by_model.items():
+            writer.writerow(
+                [f"{set_name} / {m}", set_name, m, v["bits_per_byte"], v["perplexity"], "" if m == "base" else variant]
+            )
     with atomic_path(args.plot) as tmp:
-        tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+        tmp.write_text(table.getvalue(), encoding="utf-8")
     with atomic_path(args.task_plot) as tmp:
         tmp.write_text("\n".join(tasks.table_rows(task_results)) + "\n", encoding="utf-8")
     lines = ["# Greedy samples", ""]
@@ -99,9 +118,11 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             by_model["adapter"] = {**by_model["merged"], "scored_as": same_as_merged}
         for by_model in task_results.values():
             by_model["adapter"] = dict(by_model["merged"])  # the same model: the table above says so
-    write_outputs(args, cfg.eval.prompts, results, task_results, samples)
-    figures = {**results, config.TASKS_KEY: task_results} if specs else results
-    write_json(args.metrics, figures)
+    variant = adapter_variant(args.adapter)
+    write_outputs(args, cfg.eval.prompts, results, task_results, samples, variant=variant["name"])
+    figures = {**results, config.TASKS_KEY: task_results} if specs else dict(results)
+    write_json(args.metrics, {**figures, config.VARIANT_KEY: variant})
+    print(f"eval: the adapter is {variant['name']}")
     print(f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8}")
     for s, by in results.items():
         for m, v in by.items():

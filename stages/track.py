@@ -39,6 +39,25 @@ def stage_tags(lock: dict, logged_tags: dict[str, str], current: str) -> dict[st
     return tags
 
 
+def variant_tags(adapter_dir: Path) -> dict[str, str]:
+    """What produced the adapter, from its variant.json (else its config): `variant` in words, and `variant.dora`,
+    `variant.lr_ratio`, `variant.quantization` (compute dtype with nf4) to filter runs by; none without an adapter."""
+    from pipeline.checkpoints import adapter
+
+    if not (adapter_dir / adapter.CONFIG).is_file():
+        return {}
+    variant = adapter.read_variant(adapter_dir)
+    tags = {
+        "variant": adapter.describe_variant(variant),
+        "variant.dora": str(bool(variant.get("use_dora"))).lower(),
+        "variant.lr_ratio": "unknown" if variant.get("quantization") is None else str(variant.get("lr_ratio")),
+        "variant.quantization": variant.get("quantization") or "unknown",
+    }
+    if variant.get("compute_dtype"):
+        tags["variant.compute_dtype"] = variant["compute_dtype"]
+    return tags
+
+
 def missing_curve(curve_csv: Path, logged_steps: Callable[[str], set[int]]) -> dict[str, dict[int, float]]:
     """The training curve's values at the steps the run lacks (train was cached, or resumed in an earlier run)."""
     with open(curve_csv, encoding="utf-8", newline="") as handle:
@@ -105,7 +124,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             return
         logged_metrics, logged_tags = tracker.logged()
         lock = yaml.safe_load(args.lock.read_text(encoding="utf-8")) if args.lock.is_file() else {}
-        tags = stage_tags(lock, logged_tags, stage_name())
+        tags = {**stage_tags(lock, logged_tags, stage_name()), **variant_tags(args.adapter)}
         announce(tracker, args.params, tags)
         tracker.set_tags({"mlflow.source.name": "dvc.yaml", "mlflow.source.type": "PROJECT"})
         tracker.describe(description(cfg, args, {**logged_tags, **runtime_tags()}))

@@ -13,7 +13,7 @@ from pipeline import ds_config as dsc
 from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import ensure_universal
-from pipeline.model import check_targets, meta_model
+from pipeline.model import ALL_LINEAR, check_targets, describe_targets, meta_model, resolve_targets
 from pipeline.processes import before_launch, free_port, remove_stale_shm_buffers, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
 from pipeline.trainer import write_curve
@@ -63,10 +63,33 @@ def resolve(cfg: config.Config) -> dict:
     }
 
 
+def variant(lora: config.LoraConfig, launch: dict) -> dict:
+    """What kind of adapter this run trains, resolved (the compute dtype) and checked where it can be before a launch:
+    bitsandbytes must quantize on this accelerator. Checkpoints carry it to the adapter, merge, evaluate and MLflow."""
+    quantized = lora.quantization != "none"
+    if quantized:
+        from pipeline.quantization import check_available
+
+        version = check_available(lora.quantization, launch["accelerator"])
+        print(f"train: the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
+    compute = lora.compute_dtype if lora.compute_dtype != "auto" else launch["precision"]
+    return {
+        "use_dora": lora.use_dora,
+        "lr_ratio": lora.lr_ratio,
+        "quantization": lora.quantization,
+        "compute_dtype": compute if quantized else None,
+        "load_dtype": launch["precision"],  # the dtype the base is loaded (and quantized) from
+    }
+
+
 def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dict:
     """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
     lora, t = cfg.lora, cfg.train
-    check_targets(meta_model(args.base), lora.target_modules, lora.modules_to_save)
+    meta = meta_model(args.base)
+    targets = resolve_targets(meta, lora.target_modules)
+    check_targets(meta, targets, lora.modules_to_save)
+    if lora.target_modules == ALL_LINEAR:
+        print(f"train: lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
     base_rows = read_json(args.base / "config.json")["vocab_size"]
     rows = vocab_rows(base_rows, args.tokenizer, t.resize_embeddings)
     if rows > base_rows and "embed_tokens" not in lora.modules_to_save:
@@ -78,8 +101,9 @@ def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dic
         "base_config": folder.file_digest([args.base / "config.json"]),
         "vocab_rows": rows,
         "lora_r": lora.r,
-        "target_modules": sorted(lora.target_modules),
+        "target_modules": sorted(targets),
         "modules_to_save": sorted(lora.modules_to_save),
+        "use_dora": lora.use_dora,
     }
     trajectory = {**t.model_dump(), "precision": launch["precision"]}
     settings = {
@@ -95,6 +119,7 @@ def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dic
         "world_size": launch["world_size"],
         "zero_stage": cfg.deepspeed.stage,
         "launch": launch,
+        "variant": variant(lora, launch),
     }
 
 
@@ -127,6 +152,7 @@ def prepare_checkpoints(*, directory: Path, state: dict, resume_from: Path | Non
         saved, source = folder.read_state(resume_from, tag), resume_from / tag
     if source is not None:
         folder.check_same_model(saved, source.parent, state["identity"])
+        folder.check_same_rates(saved, source.parent, state["variant"]["lr_ratio"])
     directory.mkdir(parents=True, exist_ok=True)
     here = (state["world_size"], state["zero_stage"])
     if source is None or folder.layout(saved) == here:

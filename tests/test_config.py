@@ -51,6 +51,15 @@ def _defaults() -> dict:
         (lambda r: r["launcher"].update(num_nodes=2), "launcher.hostfile: num_nodes=2 needs a hostfile"),
         (lambda r: r["launcher"].update(num_nodes=2, hostfile="h"), "launcher.master_port: num_nodes=2 needs a fixed"),
         (lambda r: r["tokenizer"].pop("vocab_size"), "missing key 'tokenizer.vocab_size'"),
+        (lambda r: r["lora"].update(quantization="fp4"), "lora.quantization: input should be 'none', 'nf4' or 'int8'"),
+        (lambda r: r["lora"].update(compute_dtype="bf16"), "lora.compute_dtype: bf16 applies to a 4-bit base only"),
+        (lambda r: r["lora"].update(quantization="int8", compute_dtype="fp16"), "lora.compute_dtype: fp16 applies"),
+        (lambda r: r["lora"].update(lr_ratio=0.0), "lora.lr_ratio: input should be greater than 0"),
+        (lambda r: r["lora"].update(target_modules="all"), "lora.target_modules.literal['all-linear']: input should"),
+        (
+            lambda r: (r["lora"].update(quantization="nf4"), r["deepspeed"].update(stage=3, offload_param=True)),
+            "deepspeed.offload_param: a quantized base (lora.quantization=nf4)",
+        ),
     ],
 )
 def test_bad_values_are_named(edit, message):

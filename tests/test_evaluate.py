@@ -139,12 +139,14 @@ def test_stage_table_for_base_adapter_and_merged(trained, tiny_base_dir, tmp_pat
     sets = {"in_domain": str(trained / "in_domain.txt")}
     stage.main(*_stage_args(unproven, tiny_base_dir, sets, tmp_path))
     table = read_json(tmp_path / "eval.json")
-    assert set(table) == {"in_domain"} and set(table["in_domain"]) == {"base", "adapter", "merged"}
+    assert set(table) == {"in_domain", "variant"} and set(table["in_domain"]) == {"base", "adapter", "merged"}
+    assert table["variant"] == {"name": "LoRA (base precision unknown)", "quantization": "unknown"}  # PEFT-saved
     base, adapter, merged = (table["in_domain"][m] for m in ("base", "adapter", "merged"))
     assert base["bytes"] == adapter["bytes"] == merged["bytes"] <= 3000 and base["tokens"] > 64
     assert math.isclose(adapter["bits_per_byte"], merged["bits_per_byte"], rel_tol=1e-5)
     assert not math.isclose(adapter["bits_per_byte"], base["bits_per_byte"], rel_tol=1e-4), "the adapter did nothing"
-    assert (tmp_path / "plot.csv").read_text().count("\n") == 4
+    rows = (tmp_path / "plot.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[0].endswith(",variant") and rows[2].endswith(",LoRA (base precision unknown)")
     assert "**merged**" in (tmp_path / "samples.md").read_text()
     assert "scored_as" not in adapter
 

@@ -162,3 +162,27 @@ def test_offline_conversion_to_zero3_resumes_as_its_own(tmp_path, inputs, tiny_b
     expected, final = load_file(two_ranks_zero2 / "final.safetensors"), load_file(run / "final.safetensors")
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_dora_loraplus_converted_offline_resume_as_the_uninterrupted_run(tmp_path, inputs, tiny_base_dir):
+    """DoRA's magnitudes and LoRA+'s groups survive the offline conversion: the converter's engine is built with
+    the variant the checkpoint was trained with (without it, the magnitudes were refused as foreign parameters)."""
+    variants = ["lora.use_dora=true", "lora.lr_ratio=16", "lora.target_modules=all-linear"]
+    whole = tmp_path / "whole"
+    train(inputs, tiny_base_dir, whole, [*TINY, *TWO_RANKS, "deepspeed=zero2", *variants])
+    universal, zero3 = tmp_path / "universal", tmp_path / "zero3"
+    to_universal(whole / "checkpoints" / "step_000003", universal)
+    cli = [
+        sys.executable, "-m", "pipeline", "convert", str(universal), str(zero3), "--to", "zero", "--world-size", "2",
+        "--zero-stage", "3", "--base", str(tiny_base_dir),
+    ]  # fmt: skip
+    done = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, env=env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "run"
+    train(inputs, tiny_base_dir, run, [*TINY, *TWO_RANKS, "deepspeed=zero3", f"train.resume_from={zero3}", *variants])
+    assert read_json(run / "metrics.json")["resumed_from_step"] == 3
+    torch.testing.assert_close(torch.tensor(losses(run)), torch.tensor(losses(whole)), atol=1e-5, rtol=0)
+    expected, final = load_file(whole / "final.safetensors"), load_file(run / "final.safetensors")
+    assert sum("lora_magnitude_vector" in name for name in expected) == 14
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)

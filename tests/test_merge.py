@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.atomic import read_json
 from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.merge import REPORT, merge
+from pipeline.merge_verify import TOLERANCES
 from tests.conftest import REPO
 
 ROWS = 49216  # the tiny base's 49,152 rows after a vocabulary extension
@@ -285,3 +286,47 @@ def test_streamed_verification_holds_one_block_at_a_time(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     grown = int(done.stdout.split()[-1])
     assert grown < 3 * layer < size / 3, (grown, layer, size)
+
+
+def _dora_adapter(root: Path, base: Path) -> Path:
+    """A trained-looking DoRA adapter: random A and B, magnitudes moved off their initial row norms."""
+    adapter = _adapter(root, base, None, rows=49152, use_dora=True)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    for key, value in tensors.items():
+        if key.endswith("lora_magnitude_vector"):
+            tensors[key] = value * (1 + 0.2 * torch.rand(value.shape, generator=generator))
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    return adapter
+
+
+def test_dora_merges_with_its_row_norm(tmp_path, tiny_base_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = _base(tmp_path, tiny_base_dir, tied=True)
+    adapter = _dora_adapter(tmp_path, base)
+    report = merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    assert report["variant"] == "DoRA (base precision unknown)" and report["lora_layers"] == 14
+    ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        expected = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(adapter))(ids).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids).logits
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert report["verification"]["max_abs_logit_diff"] < TOLERANCES["fp32"][0]
+
+
+def test_dora_merged_without_its_norm_fails_the_verification(tmp_path, tiny_base_dir, monkeypatch):
+    """m x (W + scale B A), the row norm forgotten: the merge's own verification refuses it and writes nothing."""
+    import pipeline.merge
+
+    def no_norm(weight: torch.Tensor, delta) -> torch.Tensor:
+        rows = weight.float() + (delta.b.float() @ delta.a.float()) * delta.scale
+        return delta.magnitude.float().unsqueeze(1) * rows
+
+    base = _base(tmp_path, tiny_base_dir, tied=True)
+    adapter = _dora_adapter(tmp_path, base)
+    monkeypatch.setattr(pipeline.merge, "merged_weight", no_norm)
+    with pytest.raises(ValueError, match="merge verification failed"):
+        merge(base_dir=base, adapter_dir=adapter, out_dir=tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()

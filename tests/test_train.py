@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -86,8 +87,10 @@ def test_offload_variants_match_one_rank(tmp_path, inputs, tiny_base_dir, refere
 
 
 def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir):
-    """With LoRA dropout on, so that the RNG state and the train/eval mode must be restored too."""
-    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2", "lora.dropout=0.1"]
+    """With LoRA dropout on, so that the RNG state and the train/eval mode must be restored too; and DoRA with
+    LoRA+ on all-linear targets, so that the stage builds them and a resume restores magnitudes and the groups."""
+    variants = ["lora.use_dora=true", "lora.lr_ratio=4.0", "lora.target_modules=all-linear"]
+    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2", "lora.dropout=0.1", *variants]
     whole = tmp_path / "whole"
     train(inputs, tiny_base_dir, whole, overrides)
     out = tmp_path / "killed"
@@ -109,8 +112,36 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     assert metrics["resumed_from_step"] == int(first.removeprefix("step_"))
     torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(whole)), atol=1e-6, rtol=0)
     expected, resumed = load_file(whole / "final.safetensors"), load_file(out / "final.safetensors")
+    assert sum("lora_magnitude_vector" in name for name in expected) == 14
+    run = read_json(out / "checkpoints" / "run.json")
+    trained = {"use_dora": True, "lr_ratio": 4.0, "quantization": "none", "compute_dtype": None, "load_dtype": "fp32"}
+    assert run["variant"] == trained and len(run["identity"]["target_modules"]) == 14
     for name in expected:
         torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed here")
+def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, tiny_base_dir):
+    """The train stage on an nf4 base, 2 ranks under ZeRO-3 in bf16, DoRA with LoRA+ on all-linear; consolidated,
+    merged into the unquantized base within the fp32 proof, and its gap to the nf4 base it trained on measured."""
+    from pipeline.checkpoints.consolidate import consolidate
+    from pipeline.merge import merge
+
+    variants = ["lora.quantization=nf4", "lora.use_dora=true", "lora.lr_ratio=16", "lora.target_modules=all-linear"]
+    done = train(
+        inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3", "train.precision=bf16", *variants]
+    )
+    assert "train: the base is loaded in nf4 by bitsandbytes" in done.stdout
+    curve = losses(tmp_path)
+    assert curve[-1] < curve[0], curve
+    manifest = consolidate(checkpoint_dir=tmp_path / "checkpoints", output_dir=tmp_path / "adapter")
+    trained = {"use_dora": True, "lr_ratio": 16.0, "quantization": "nf4", "compute_dtype": "bf16", "load_dtype": "bf16"}
+    assert manifest["variant"] == trained
+    assert sum(key.endswith(".lora_magnitude_vector") for key in manifest["tensors"]) == 14
+    report = merge(base_dir=tiny_base_dir, adapter_dir=tmp_path / "adapter", out_dir=tmp_path / "merged")
+    assert report["variant"] == "DoRA + LoRA+ x16 on an nf4 base (bf16 compute)"
+    assert report["verification"]["max_abs_logit_diff"] < report["verification"]["limit_abs"]
+    assert report["against_trained_base"]["quantization"] == "nf4" and report["against_trained_base"]["mean_kl"] > 0
 
 
 def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
@@ -184,12 +215,20 @@ def test_batch_arithmetic_error_exits_2_without_traceback(tmp_path, inputs, tiny
     assert "Traceback" not in done.stderr
 
 
-def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference):
-    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", "lora.r=8", f"train.resume_from={reference / 'checkpoints'}"]
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora.r=8", "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)"),
+        ("lora.use_dora=true", "is a checkpoint of another model (use_dora: checkpoint False, this run True)"),
+        ("lora.lr_ratio=16", "was trained with lr_ratio None, this run has 16.0; its optimizer groups"),
+    ],
+)
+def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference, override, message):
+    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", override, f"train.resume_from={reference / 'checkpoints'}"]
     before = sorted(p.name for p in (reference / "checkpoints").iterdir())
     done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
     assert done.returncode == 2, done.stderr
-    assert "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)" in done.stderr
+    assert message in done.stderr
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
 
 

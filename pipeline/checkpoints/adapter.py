@@ -14,7 +14,9 @@ from pipeline.checkpoints.model_files import FileTensor, tensors_of
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 WEIGHTS_BIN = "adapter_model.bin"
+VARIANT = "variant.json"  # ours: how the adapter was trained (DoRA, LoRA+, the base's quantization)
 PREFIX = "base_model.model."  # every tensor name of a saved causal-LM adapter starts with it
+MAGNITUDE = "lora_magnitude_vector"  # DoRA's trained magnitude, saved as `<module>.lora_magnitude_vector`
 
 
 def read_config(path: Path) -> dict:
@@ -54,8 +56,32 @@ def read_tensors(adapter_dir: Path) -> tuple[dict[str, FileTensor], bool]:
 
 
 def peft_key(name: str, adapter: str = "default") -> str:
-    """An engine parameter name as PEFT's save_pretrained writes it (no adapter name, no modules_to_save.)."""
+    """An engine parameter name as PEFT's save_pretrained writes it (no adapter name, no modules_to_save., DoRA's
+    magnitude without its `.weight`)."""
+    name = name.replace(f".{MAGNITUDE}.{adapter}.weight", f".{MAGNITUDE}")
     return name.replace(f"modules_to_save.{adapter}.", "").replace(f".{adapter}.", ".")
+
+
+def read_variant(adapter_dir: Path) -> dict:
+    """How the adapter was trained: variant.json (written by consolidate from our checkpoints), else what its
+    config tells (DoRA or not; LoRA+ and the base's quantization unknown: None)."""
+    if (adapter_dir / VARIANT).is_file():
+        return read_json(adapter_dir / VARIANT)
+    config = read_json(adapter_dir / CONFIG) if (adapter_dir / CONFIG).is_file() else {}
+    return {"use_dora": bool(config.get("use_dora")), "lr_ratio": None, "quantization": None}
+
+
+def describe_variant(variant: dict) -> str:
+    """One line for tables and tags, e.g. "DoRA + LoRA+ x16 on an nf4 base (bf16 compute)"."""
+    text = "DoRA" if variant.get("use_dora") else "LoRA"
+    if variant.get("lr_ratio"):
+        text += f" + LoRA+ x{variant['lr_ratio']:g}"
+    kind = variant.get("quantization")
+    if kind is None:
+        return text + " (base precision unknown)"
+    if kind != "none":
+        text += f" on an {kind} base" + (f" ({variant['compute_dtype']} compute)" if kind == "nf4" else "")
+    return text
 
 
 def canonical_names(tensors: dict[str, FileTensor], where: Path) -> dict[str, FileTensor]:
@@ -86,18 +112,28 @@ def _matches(module: str, targets) -> bool:
 
 def check_config(config: dict, shapes: dict[str, tuple[int, ...]], where: str) -> None:
     """The tensors (PEFT names -> shapes) are an adapter of this config: every LoRA module is a target with the
-    config's rank, every other tensor belongs to a modules_to_save module. (A target that matches nothing is
-    allowed, as PEFT allows it.)"""
+    config's rank (and with DoRA its magnitude), every other tensor belongs to a modules_to_save module. (A target
+    that matches nothing is allowed, as PEFT allows it.)"""
     lora: dict[str, int] = {}
+    magnitudes = set()
     for key, shape in shapes.items():
         name = key.removeprefix(PREFIX)
-        if ".lora_A." in name:
+        if name.endswith(f".{MAGNITUDE}"):
+            magnitudes.add(name.removesuffix(f".{MAGNITUDE}"))
+        elif ".lora_A." in name:
             lora[name.split(".lora_A.")[0]] = shape[0]
         elif ".lora_B." not in name and not _matches(name.rsplit(".", 1)[0], config.get("modules_to_save") or []):
             raise ValueError(
                 f"{where}: {key} is neither LoRA nor in modules_to_save {config.get('modules_to_save')} of the "
                 f"adapter config (a config of another model or run?)"
             )
+    dora = bool(config.get("use_dora"))
+    if magnitudes != (set(lora) if dora else set()):
+        odd = sorted(magnitudes ^ set(lora))[:3] if dora else sorted(magnitudes)[:3]
+        raise ValueError(
+            f"{where}: the adapter config has use_dora {str(dora).lower()} but the DoRA magnitudes "
+            f"({MAGNITUDE}) do not match the LoRA modules: {odd}"
+        )
     targets = config.get("target_modules")
     for module, rank in lora.items():
         if not _matches(module, targets):

@@ -13,6 +13,7 @@ import torch
 
 from pipeline.atomic import atomic_path
 from pipeline.checkpoints import adapter, safetensors_stream
+from pipeline.checkpoints.folder import STATE
 from pipeline.checkpoints.locate import Located, locate
 from pipeline.checkpoints.zero_shards import master_weights
 from pipeline.precision import DTYPES
@@ -33,6 +34,13 @@ def find_adapter_config(where: Located, explicit: Path | None) -> tuple[dict, Pa
         f"{' or '.join(map(str, candidates))}: no LoRA adapter config; pass --adapter-config FILE "
         f"(written by LoraConfig.save_pretrained)"
     )
+
+
+def trained_variant(where: Located) -> dict | None:
+    """How our train stage trained this checkpoint (its trainer state's `variant`); None for other trainers'."""
+    path = where.tag_dir / STATE
+    state = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return state.get("variant") if isinstance(state, dict) else None
 
 
 def consolidate(
@@ -64,6 +72,7 @@ def consolidate(
     own = {key: shape for key, shape in shapes.items() if key not in tied}
     adapter.check_config(config, own, f"{where.tag_dir} with {config_path}")
     entries = [(key, shapes[key], DTYPES[dtype]) for key in sorted(names)]
+    variant = trained_variant(where)
 
     def produce(key: str) -> torch.Tensor:
         value = state[names[key]][1]()
@@ -83,6 +92,7 @@ def consolidate(
             "layout": {"optimizer": layout.optimizer, "master_dtype": layout.master_dtype},
             "notes": [*where.notes, *layout.notes],
             "dtype": dtype,
+            "variant": variant,
             "elements": sum(math.prod(shape) for _, shape, _ in entries),
             "tensors": {
                 key: {"shape": list(shape), "dtype": str(kind).removeprefix("torch."), "sha256": digests[key]}
@@ -91,6 +101,8 @@ def consolidate(
         }
         (tmp / adapter.CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if variant is not None:
+            (tmp / adapter.VARIANT).write_text(json.dumps(variant, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         folders = (where.tag_dir, where.checkpoint_dir)  # HF Trainer saves a tokenizer beside the tag
         tokenizer_dir = next((d for d in folders if any((d / f).is_file() for f in TOKENIZER_FILES)), None)
         for extra in TOKENIZER_FILES if tokenizer_dir is not None else ():

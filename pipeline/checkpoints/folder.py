@@ -57,9 +57,24 @@ def read_state(checkpoint_dir: Path, tag: str) -> dict:
     return read_json(checkpoint_dir / tag / STATE)
 
 
+IDENTITY_DEFAULTS = {"use_dora": False}  # what checkpoints written before a key existed mean by its absence
+
+
+def check_same_rates(state: dict, source: Path, lr_ratio: float | None) -> None:
+    """Refuse to resume under another LoRA+ ratio: the optimizer's groups and the schedule's base rates are restored
+    from the checkpoint, so a new ratio would be ignored (or the groups would not fit)."""
+    saved = (state.get("variant") or {}).get("lr_ratio")
+    if saved != lr_ratio:
+        raise ValueError(
+            f"lora.lr_ratio: {source} was trained with lr_ratio {saved}, this run has {lr_ratio}; its optimizer "
+            f"groups and rates are restored with it: expected lora.lr_ratio={'null' if saved is None else saved}"
+        )
+
+
 def check_same_model(state: dict, source: Path, identity: dict) -> None:
-    """Refuse a checkpoint of another model (base, vocabulary, LoRA rank, targets, modules_to_save)."""
-    differs = {k: (state["identity"].get(k), v) for k, v in identity.items() if state["identity"].get(k) != v}
+    """Refuse a checkpoint of another model (base, vocabulary, LoRA rank, targets, modules_to_save, DoRA)."""
+    saved = {**IDENTITY_DEFAULTS, **state["identity"]}
+    differs = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
     if differs:
         detail = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in differs.items())
         raise ValueError(f"train.resume_from: {source} is a checkpoint of another model ({detail})")

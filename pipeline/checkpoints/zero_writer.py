@@ -98,12 +98,19 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
         use_rslora=adapter.get("use_rslora", False),
         target_modules=identity["target_modules"],
         modules_to_save=identity["modules_to_save"],
+        use_dora=identity.get("use_dora", False),
     )
+    lr_ratio = (state.get("variant") or {}).get("lr_ratio")  # LoRA+: the same groups as the run that wrote it
     config = engine_config(source, stage, world)
     model = lora_skeleton(base_dir=base, vocab_rows=identity["vocab_rows"], lora=lora, dtype=dsc.module_dtype(config))
     engine, *_ = deepspeed.initialize(
         model=model,
-        model_parameters=parameter_groups(model, source["optimizer"]["params"]["weight_decay"]),
+        model_parameters=parameter_groups(
+            model,
+            source["optimizer"]["params"]["weight_decay"],
+            lr=source["optimizer"]["params"]["lr"],
+            lr_ratio=lr_ratio,
+        ),
         config=config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
     )
