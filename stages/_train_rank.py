@@ -191,7 +191,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
 
     from pipeline import trainer
     from pipeline.atomic import read_json
-    from pipeline.processes import leave_process_group
+    from pipeline.processes import exit_rank, leave_process_group
 
     deepspeed.init_distributed()
     run_state = read_json(args.checkpoints / "run.json")
@@ -224,6 +224,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     save_gathered(engine, args.final_state)
     finish(metrics)
     leave_process_group()
+    exit_rank()
 
 
 if __name__ == "__main__":

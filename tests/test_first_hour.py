@@ -62,7 +62,7 @@ def test_own_text_file_in_one_step(repo, own_run):
     held = (repo / "artifacts/eval_sets/in_domain/notes.txt").read_text(encoding="utf-8").splitlines()
     assert held == documents[-8:], "the last 5% of the documents are the in-domain set"
     evaluation = read_json(repo / "metrics/eval.json")
-    assert set(evaluation) == {"in_domain", "en_wiki"} and evaluation["in_domain"]["adapter"]["bytes"] > 0
+    assert set(evaluation) == {"in_domain", "en_wiki", "variant"} and evaluation["in_domain"]["adapter"]["bytes"] > 0
     assert read_json(repo / "metrics/dataset.json")["documents"] == 152, "the held-out documents are not trained on"
     output = own_run.stdout + own_run.stderr
     assert "FutureWarning" not in output and "CUDA_VISIBLE_DEVICES" not in output, "nothing a user can do nothing about"
