@@ -12,6 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PositiveInt = Field(gt=0)
 TASKS_KEY = "tasks"  # eval.json: task accuracies beside the eval sets' bits per byte
 VARIANT_KEY = "variant"  # eval.json: what produced the adapter (DoRA, LoRA+, QLoRA)
+
+
+def set_figures(evaluation: dict) -> dict:
+    """eval.json's figures per evaluation set, without the task scores and the variant kept beside them."""
+    return {name: by_model for name, by_model in evaluation.items() if name not in (TASKS_KEY, VARIANT_KEY)}
+
+
 Fraction = Field(ge=0.0, lt=1.0)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.atomic import atomic_path
+from pipeline.config import TASKS_KEY, set_figures
 
 CARD = "README.md"
 TRAINING_FIGURES = ("steps", "final_train_loss", "val_loss", "val_perplexity", "trainable_parameters", "precision",
@@ -45,8 +46,8 @@ def _data(params: dict, dataset: dict) -> list[str]:
 
 def _evaluation(evaluation: dict) -> list[str]:
     """eval.json as tables: bits per byte per set, then task scores with standard errors, for every model."""
-    tasks = evaluation.get("tasks", {})
-    sets = {name: by_model for name, by_model in evaluation.items() if name not in ("tasks", "variant")}
+    tasks = evaluation.get(TASKS_KEY, {})
+    sets = set_figures(evaluation)
     lines = ["| set | model | bits per byte | perplexity |", "|---|---|---|---|"]
     lines += [
         f"| {name} | {model} | {v['bits_per_byte']} | {v['perplexity']} |"

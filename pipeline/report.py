@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pipeline.config import TASKS_KEY, VARIANT_KEY, set_figures
+
 
 def _number(value, digits: int = 4) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else "-" if value is None else str(value)
@@ -13,15 +15,13 @@ def evaluation_table(evaluation: dict) -> list[str]:
     (eval.json keeps the task scores under "tasks": {task: {model: {metric, metric_stderr, samples}}}) and the
     adapter's variant."""
     lines = [f"{'set':<16}{'model':<9}{'bits/byte':>11}{'perplexity':>12}{'tokens':>9}{'accuracy':>16}"]
-    for name, models in evaluation.items():
-        if name in ("tasks", "variant"):  # config.TASKS_KEY, config.VARIANT_KEY
-            continue
+    for name, models in set_figures(evaluation).items():
         for model, figures in models.items():
             lines.append(
                 f"{name[:15]:<16}{model[:8]:<9}{_number(figures.get('bits_per_byte')):>11}"
                 f"{_number(figures.get('perplexity'), 2):>12}{_number(figures.get('tokens')):>9}{'-':>16}"
             )
-    for task, models in evaluation.get("tasks", {}).items():
+    for task, models in evaluation.get(TASKS_KEY, {}).items():
         for model, figures in models.items():
             for metric, value in figures.items():
                 if metric == "samples" or metric.endswith("_stderr"):
@@ -30,8 +30,8 @@ def evaluation_table(evaluation: dict) -> list[str]:
                 shown = f"{value:.3f}" + ("" if error is None else f" ± {error:.3f}")
                 label = f"{task} {metric}"
                 lines.append(f"{label[:15]:<16}{model[:8]:<9}{'-':>11}{'-':>12}{'-':>9}{shown:>16}")
-    if "variant" in evaluation:
-        lines.append(f"adapter: {evaluation['variant']['name']}")
+    if VARIANT_KEY in evaluation:
+        lines.append(f"adapter: {evaluation[VARIANT_KEY]['name']}")
     return lines
 
 

@@ -140,16 +140,21 @@ def test_a_damaged_checkpoint_converts_to_nothing(tmp_path, stopped):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000003"], "nothing written, not even a temporary"
 
 
+def convert_to_zero3(universal: Path, out: Path, base: Path) -> None:
+    """`python -m pipeline convert --to zero` of a universal checkpoint into a 2-rank ZeRO-3 one, as a user runs it."""
+    cli = [
+        sys.executable, "-m", "pipeline", "convert", str(universal), str(out), "--to", "zero", "--world-size", "2",
+        "--zero-stage", "3", "--base", str(base),
+    ]  # fmt: skip
+    done = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, env=env())
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_offline_conversion_to_zero3_resumes_as_its_own(tmp_path, inputs, tiny_base_dir, two_ranks_zero2, stopped):
     universal = tmp_path / "universal"
     to_universal(stopped / "step_000003", universal)
     zero3 = tmp_path / "zero3_2ranks"
-    cli = [
-        sys.executable, "-m", "pipeline", "convert", str(universal), str(zero3), "--to", "zero", "--world-size", "2",
-        "--zero-stage", "3", "--base", str(tiny_base_dir),
-    ]  # fmt: skip
-    done = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, env=env())
-    assert done.returncode == 0, done.stderr[-3000:]
+    convert_to_zero3(universal, zero3, tiny_base_dir)
     state = read_json(zero3 / "step_000003" / "trainer_state.json")
     assert (zero3 / "latest").read_text() == "step_000003" and (state["world_size"], state["zero_stage"]) == (2, 3)
     assert len(list((zero3 / "step_000003").glob("*_optim_states.pt"))) == 2
@@ -172,12 +177,7 @@ def test_dora_loraplus_converted_offline_resume_as_the_uninterrupted_run(tmp_pat
     train(inputs, tiny_base_dir, whole, [*TINY, *TWO_RANKS, "deepspeed=zero2", *variants])
     universal, zero3 = tmp_path / "universal", tmp_path / "zero3"
     to_universal(whole / "checkpoints" / "step_000003", universal)
-    cli = [
-        sys.executable, "-m", "pipeline", "convert", str(universal), str(zero3), "--to", "zero", "--world-size", "2",
-        "--zero-stage", "3", "--base", str(tiny_base_dir),
-    ]  # fmt: skip
-    done = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, env=env())
-    assert done.returncode == 0, done.stderr[-3000:]
+    convert_to_zero3(universal, zero3, tiny_base_dir)
     run = tmp_path / "run"
     train(inputs, tiny_base_dir, run, [*TINY, *TWO_RANKS, "deepspeed=zero3", f"train.resume_from={zero3}", *variants])
     assert read_json(run / "metrics.json")["resumed_from_step"] == 3
