@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,33 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     *output, peak = done.stdout.strip().splitlines()
     return seconds, int(peak) / 1024, "\n".join(output)
+
+
+def run_process_peaks(
+    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
+) -> tuple[float, float]:
+    """(wall seconds, the largest peak resident MB of any one process of the tree, sampled every `interval` s) of
+    `command`: for a launcher and its ranks, the peak memory per rank, measured the same way for any tool."""
+    import subprocess
+
+    import psutil
+
+    start = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root, peaks, output = psutil.Process(process.pid), {}, []
+
+    reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
+    reader.start()
+    while process.poll() is None:
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                peaks[proc.pid] = max(peaks.get(proc.pid, 0), proc.memory_info().rss)
+        time.sleep(interval)
+    seconds = time.perf_counter() - start
+    reader.join()
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{''.join(output)[-4000:]}")
+    return seconds, max(peaks.values()) / 2**20
 
 
 def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, float]:

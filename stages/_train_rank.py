@@ -17,7 +17,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     import deepspeed
 
     from pipeline import ds_config as dsc
-    from pipeline import trainer
+    from pipeline import fused_loss, trainer
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
     from pipeline.precision import DTYPES
@@ -44,6 +44,8 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
         quantization=quantization,
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch["accelerator"] == "cuda" else "cpu",
     )
+    if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 the head's weight is gathered by its forward
+        fused_loss.install(model)
     schedule = trainer.Schedule(
         micro_batch_size=t.micro_batch_size,
         accumulation=ds_config["gradient_accumulation_steps"],

@@ -1,0 +1,146 @@
+"""LLaMA-Factory, the peer of bench/train.py, run as its users run it: `llamafactory-cli train cfg.yaml` with
+FORCE_TORCHRUN=1 (torchrun: one OpenMP thread per rank), HF Trainer + DeepSpeed + PEFT underneath, in its own
+virtual environment built here from the package registry (pinned)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import yaml
+
+from pipeline.processes import free_port
+
+VERSION = "0.9.5"
+VENV = Path(".bench") / f"llamafactory-{VERSION}"
+# Same torch and DeepSpeed as ours; LLaMA-Factory pins its own transformers/peft/datasets range.
+PINS = [f"llamafactory=={VERSION}", "torch==2.13.0", "deepspeed==0.19.8"]
+# It imports torchaudio unconditionally (audio datasets) and no torchaudio wheel loads beside the CPU torch 2.13;
+# text training never calls it.
+TORCHAUDIO_STUB = '"""Stub: LLaMA-Factory imports torchaudio, text training never uses it."""\n__version__ = "0.0"\n'
+
+
+def python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_venv() -> Path:
+    """The peer's interpreter, building its environment on first use (a few minutes, from the registry)."""
+    done = VENV / ".complete"
+    if done.exists():
+        return python()
+    print(f"bench: building LLaMA-Factory {VERSION}'s environment in {VENV} (once)", flush=True)
+    venv.create(VENV, with_pip=True, clear=True)
+    pip = [str(python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, *PINS], check=True)
+    # PyPI's torchvision and torchaudio (pulled in by dependencies) are built against CUDA torch and do not load
+    # beside the CPU wheel; text training never needs them.
+    subprocess.run([str(python()), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio"], check=False)
+    site = subprocess.run(
+        [str(python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    stub = Path(site) / "torchaudio"
+    if not (stub / "__init__.py").exists():
+        stub.mkdir(exist_ok=True)
+        (stub / "__init__.py").write_text(TORCHAUDIO_STUB)
+    subprocess.run([str(python()), "-c", "import llamafactory, deepspeed"], check=True, capture_output=True)
+    done.write_text(json.dumps(PINS) + "\n")
+    return python()
+
+
+# LLaMA-Factory's examples/deepspeed/ds_z2_config.json: what its users pass as `deepspeed:` (HF fills the "auto"s).
+ZERO2 = {
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 5e8,
+                          "overlap_comm": False, "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                          "contiguous_gradients": True, "round_robin_gradients": True},
+}  # fmt: skip
+
+
+def write_data(folder: Path, *, text_lines: list[str], chats: list[str]) -> Path:
+    """Its dataset folder: `corpus` (pretraining text, one document per line) and `chat` (OpenAI-style messages)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = (json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in text_lines)
+    (folder / "corpus.jsonl").write_text("".join(documents))
+    (folder / "chat.jsonl").write_text("".join(line.rstrip("\n") + "\n" for line in chats))
+    info = {
+        "corpus": {"file_name": "corpus.jsonl", "columns": {"prompt": "text"}},
+        "chat": {
+            "file_name": "chat.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+                     "system_tag": "system"},
+        },
+    }  # fmt: skip
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=1))
+    return folder
+
+
+def config(*, base: Path, data: Path, kind: str, precision: str, steps: int, micro: int, block: int, lr: float,
+           work: Path, tokenized: Path) -> dict:  # fmt: skip
+    """`llamafactory-cli train` options for LoRA r=8 on q_proj,v_proj, everything not named at its defaults
+    (gradient checkpointing on, lora_dropout 0, HF's AdamW), loading the data `tokenize_once` saved."""
+    (work / "ds_z2.json").write_text(json.dumps(ZERO2))
+    options = {
+        "model_name_or_path": str(base.resolve()), "stage": "pt" if kind == "text" else "sft", "do_train": True,
+        "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_target": "q_proj,v_proj",
+        "dataset": "corpus" if kind == "text" else "chat", "dataset_dir": str(data.resolve()),
+        "cutoff_len": block, "tokenized_path": str(tokenized.resolve()),
+        "output_dir": str((work / "out").resolve()), "overwrite_output_dir": True,
+        "per_device_train_batch_size": micro, "gradient_accumulation_steps": 1, "max_steps": steps,
+        "learning_rate": lr, "lr_scheduler_type": "cosine", "warmup_steps": 2, "logging_steps": 1,
+        "use_cpu": True, "deepspeed": str((work / "ds_z2.json").resolve()), "report_to": "none",
+        "include_num_input_tokens_seen": "non_padding", "seed": 42,
+    }  # fmt: skip
+    if kind == "chat":
+        options["template"] = "smollm2"  # ChatML with SmolLM2's default system turn, as its chat template
+    if precision == "bf16":
+        options["bf16"] = True
+    return options
+
+
+def tokenize_once(work: Path, *, base: Path, data: Path, kind: str, block: int, tokenized: Path, ranks: int) -> None:
+    """Its first run with `tokenized_path`: tokenize, save and stop (its users then train from the saved data)."""
+    if tokenized.exists():
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    options = config(base=base, data=data, kind=kind, precision="fp32", steps=1, micro=1, block=block, lr=1e-4,
+                     work=work, tokenized=tokenized)  # fmt: skip
+    (work / "cfg.yaml").write_text(yaml.safe_dump(options))
+    subprocess.run(command(work / "cfg.yaml"), env=environment(ranks), check=True, capture_output=True)
+
+
+def command(config_file: Path) -> list[str]:
+    return [str(VENV / "bin" / "llamafactory-cli"), "train", str(config_file)]
+
+
+def environment(ranks: int) -> dict[str, str]:
+    """As its users launch it on CPU ranks: FORCE_TORCHRUN makes llamafactory-cli call torchrun (one OpenMP thread
+    per rank); the venv's bin first on PATH so that it finds its own torchrun, its own op-build folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(
+        PATH=f"{(VENV / 'bin').resolve()}{os.pathsep}{env.get('PATH', '')}", FORCE_TORCHRUN="1",
+        NPROC_PER_NODE=str(ranks), DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()),
+        TORCH_EXTENSIONS_DIR=str((VENV / "torch_extensions").resolve()),
+    )  # fmt: skip
+    return env
+
+
+def loop_figures(work: Path) -> tuple[float, int]:
+    """(the training loop's seconds, the non-padding input tokens it trained on, all ranks): `train_runtime` and
+    `num_input_tokens_seen` (HF Trainer's count) of its train_results.json."""
+    figures = json.loads((work / "out" / "train_results.json").read_text())
+    return figures["train_runtime"], figures["num_input_tokens_seen"]
+
+
+if __name__ == "__main__":
+    print(ensure_venv())
+    sys.exit(0)

@@ -1,0 +1,119 @@
+"""The causal-LM loss without the full-vocabulary logits: the output head and the cross-entropy fused, a chunk of
+positions at a time, only at positions whose label counts, the gradient computed in the same pass.
+
+transformers computes `lm_head` on every position, upcasts the (tokens x vocabulary) logits to fp32, keeps them for
+the backward pass and runs log-softmax forward and backward over them: on a 128k vocabulary at 8k tokens that is
+4 GB held per micro-batch and several passes over it. Here each chunk's logits live only while its loss and its
+gradient (softmax - one-hot) are computed; the backward pass just scales what the forward pass kept (the gradient
+for the hidden states, and for a trained head its weight's). The loss is the same mean cross-entropy over the
+labelled positions, the same arithmetic in a different summation order (tests/test_fused_loss.py)."""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rows = max(1, CHUNK_ELEMENTS // vocab)
+        # fp16 would underflow before the loss scale multiplies it in backward; bf16 has fp32's range
+        kept = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
+        grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, rows):
+            h, t = hidden[start : start + rows], targets[start : start + rows]
+            logits = (h @ weight.T).float()  # as transformers: the head in the module's dtype, then upcast
+            target_logits = logits.gather(1, t[:, None]).squeeze(1)
+            peak = logits.amax(dim=-1, keepdim=True)
+            exp = logits.sub_(peak).exp_()  # in place: one pass for the loss and the gradient
+            sums = exp.sum(dim=-1, keepdim=True)
+            total += (peak.squeeze(1) + sums.log().squeeze(1) - target_logits).sum()
+            if grad_hidden is None:
+                continue
+            grad = exp.div_(sums)  # softmax
+            grad[torch.arange(len(t), device=t.device), t] -= 1.0
+            grad = grad.to(weight.dtype)
+            grad_hidden[start : start + rows] = (grad @ weight).div_(n)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = (grad_hidden * grad_output).to(ctx.dtypes[0])
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits `hidden @ weight.T` (rows x vocabulary, never materialised whole) against
+    `targets` (no ignored entries)."""
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, grads)
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The next-token target of each position (IGNORE_INDEX at the last)."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The causal LM's output head when the fused loss computes what transformers' forward does (a decoder, then a
+    bias-free Linear, frozen or trained in full; no logit scaling or soft-capping, no router loss), else None."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None or hasattr(config, "logit_scale"):
+        return None
+    if getattr(config, "output_router_logits", False) or model.get_decoder() is model:  # an auxiliary loss
+        return None
+    head = model.get_output_embeddings()
+    if hasattr(head, "modules_to_save"):  # PEFT's modules_to_save wrapper: the trained copy
+        active = head.active_adapters
+        usable = active and not head.disable_adapters and active[0] in head.modules_to_save
+        head = head.modules_to_save[active[0]] if usable else head.original_module
+    is_linear = type(head) is torch.nn.Linear and head.bias is None
+    return head if is_linear else None
+
+
+def fused_forward(
+    self, input_ids=None, labels=None, shift_labels=None, position_ids=None, attention_mask=None, **kwargs
+) -> CausalLMOutputWithPast:
+    """`forward` of a causal LM with the fused loss when labels are given (`shift_labels`: targets already shifted,
+    as packed rows need); without labels, transformers' own forward."""
+    if labels is None and shift_labels is None:
+        return type(self).forward(
+            self, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
+        )
+    out = self.get_decoder()(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
+    )
+    targets = shifted(labels) if shift_labels is None else shift_labels
+    keep = targets != IGNORE_INDEX
+    hidden = out.last_hidden_state[keep]
+    head = plain_head(self)
+    loss = linear_cross_entropy(hidden, head.weight, targets[keep])
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Give the causal LM inside `model` (a PEFT model or the LM itself) the fused loss; False (unchanged) where
+    its head is not a plain Linear (see plain_head)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if plain_head(lm) is None:
+        return False
+    lm.forward = MethodType(fused_forward, lm)
+    return True

@@ -1,0 +1,84 @@
+"""The fused head + cross-entropy (pipeline/fused_loss.py) against transformers' own loss: same loss, same
+gradients for every trained tensor, with prompt-masked and padded labels, a trained head, pre-shifted labels and
+several chunks; without gradients it only scores."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline import fused_loss
+from pipeline.fused_loss import IGNORE_INDEX
+
+
+def tiny_lora(modules_to_save: list[str]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
+    )
+    model = get_peft_model(model, lora)
+    for name, param in model.named_parameters():  # B away from zero: every LoRA tensor gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model.train()
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 101, (3, 17), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :6] = IGNORE_INDEX  # a masked prompt
+    labels[1, 12:] = IGNORE_INDEX  # right padding
+    return {"input_ids": ids, "labels": labels}
+
+
+def loss_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("modules_to_save", [[], ["lm_head"]], ids=["frozen_head", "trained_head"])
+@pytest.mark.parametrize("chunk", [fused_loss.CHUNK_ELEMENTS, 101 * 5], ids=["one_chunk", "chunks_of_5_rows"])
+def test_fused_loss_equals_transformers(modules_to_save, chunk, monkeypatch):
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", chunk)
+    reference = tiny_lora(modules_to_save)
+    fused = copy.deepcopy(reference)
+    assert fused_loss.install(fused)
+    inputs = batch()
+    want, want_grads = loss_and_grads(reference, inputs)
+    got, got_grads = loss_and_grads(fused, inputs)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    assert any("lm_head" in n for n in got_grads) == bool(modules_to_save)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        scored = fused(**inputs)
+    assert scored.logits is None  # the fused path ran: no logits were made
+    torch.testing.assert_close(scored.loss, want, atol=1e-6, rtol=1e-6)
+
+
+def test_shifted_labels_and_plain_forward():
+    """Pre-shifted targets (what packed rows need) give transformers' loss for the same targets; without labels
+    the model's own forward runs (logits)."""
+    reference = tiny_lora([])
+    fused = copy.deepcopy(reference)
+    fused_loss.install(fused)
+    inputs = batch()
+    targets = fused_loss.shifted(inputs["labels"])
+    want = reference(input_ids=inputs["input_ids"], labels=targets, shift_labels=targets).loss
+    got = fused(input_ids=inputs["input_ids"], shift_labels=targets).loss
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        fused(input_ids=inputs["input_ids"]).logits, reference(input_ids=inputs["input_ids"]).logits
+    )
