@@ -69,6 +69,7 @@ bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.track
 	python -m bench.convert
 	python -m bench.variants
+	python -m bench.gpu_train
 
 scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk)
 	python -m bench.scale_check

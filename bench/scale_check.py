@@ -44,11 +44,12 @@ OVERRIDES = [
 SHARD_BYTES = 2 * 10**9
 
 
-def write_random_llama(out: Path, tokenizer_dir: Path, seed: int = 0) -> int:
-    """The model of SHAPE with N(0, 0.02) weights (norms 1), bf16, one tensor in memory at a time; its parameters."""
+def write_random_llama(out: Path, tokenizer_dir: Path, seed: int = 0, shape: dict | None = None) -> int:
+    """The model of `shape` (default SHAPE) with N(0, 0.02) weights (norms 1), bf16, one tensor in memory at a time;
+    its parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPE, torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(**(shape or SHAPE), torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).named_parameters()}
     out.mkdir(parents=True)

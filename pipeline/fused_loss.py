@@ -15,7 +15,8 @@ from types import MethodType
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-IGNORE_INDEX = -100
+from pipeline.dataset import IGNORE_INDEX
+
 CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
 
 

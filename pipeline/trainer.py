@@ -17,6 +17,7 @@ from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import link_optimizer_state, load_universal
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.dataset import IGNORE_INDEX
+from pipeline.fused_loss import shifted
 from pipeline.schedule import global_batch, lr_factor, micro_batch
 
 
@@ -45,7 +46,7 @@ class History:
 
 
 def collate(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad variable-length rows (SFT); packed blocks pass through unchanged. No attention mask: with right
+    """Right-pad variable-length rows into one batch (transformers' usual form). No attention mask: with right
     padding a causal model never lets a real token see a pad, and without a mask SDPA takes its causal kernel
     instead of materialising the mask (less memory, faster)."""
     width = max(len(r["input_ids"]) for r in rows)
@@ -56,6 +57,28 @@ def collate(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
         ids[i, :n] = torch.as_tensor(row["input_ids"])
         labels[i, :n] = torch.as_tensor(row["labels"])
     return {"input_ids": ids, "labels": labels}
+
+
+def pack(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """The micro-batch as the model trains on it: rows of one length (packed text blocks) as they are; rows of
+    several lengths (SFT) end to end in one sequence without padding, positions restarting at each row (from
+    which transformers builds a block-diagonal causal mask: no row sees another) and each row's next-token
+    targets (its last position predicts nothing). The same loss over the same targets as `collate`'s padded
+    batch, without computing the pads (tests/test_fused_loss.py). Needs the model's `use_cache` off (as
+    pipeline.model loads it): transformers detects packed rows only without a cache."""
+    if len({len(r["input_ids"]) for r in rows}) == 1:
+        return collate(rows, pad_id)
+    ids = torch.cat([torch.as_tensor(r["input_ids"], dtype=torch.long) for r in rows])[None]
+    positions = torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]
+    targets = torch.cat([shifted(torch.as_tensor(r["labels"], dtype=torch.long)[None])[0] for r in rows])[None]
+    # labels too: transformers' forward computes a loss only when given labels, and then takes shift_labels
+    return {"input_ids": ids, "position_ids": positions, "labels": targets, "shift_labels": targets}
+
+
+def target_count(batch: dict[str, torch.Tensor]) -> int:
+    """The positions of `batch` (collate's or pack's) that have a next-token target."""
+    targets = batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
+    return int((targets != IGNORE_INDEX).sum())
 
 
 def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -80,9 +103,9 @@ def validate(engine, rows, *, rank: int, world_size: int, micro: int, pad_id: in
         for start in range(0, per_rank, micro):
             indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
             real = [i for i in indices if i < n]
-            batch = _to(collate([rows[i] for i in (real or [0])], pad_id), engine.device)
+            batch = _to(pack([rows[i] for i in (real or [0])], pad_id), engine.device)
             loss = engine(**batch).loss.float()
-            count = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) if real else 0
+            count = target_count(batch) if real else 0
             loss_sum += float(loss) * count
             tokens += count
     engine.train()
@@ -193,7 +216,7 @@ def train(
         for index in range(accumulation):
             indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
             rows = [train_rows[i] for i in indices]
-            batch = _to(collate(rows, pad_id), engine.device)
+            batch = _to(pack(rows, pad_id), engine.device)
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()

@@ -193,7 +193,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
 
     from pipeline import trainer
     from pipeline.atomic import read_json
-    from pipeline.processes import exit_rank, leave_process_group
+    from pipeline.processes import exit_rank, keep_freed_memory, leave_process_group
 
     deepspeed.init_distributed()
     run_state = read_json(args.checkpoints / "run.json")
@@ -211,6 +211,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         seed=cfg.train.seed,
     )
     save_gathered(engine, args.loaded_state, moments=True)  # what the run continues from, as loaded
+    keep_freed_memory()
     metrics = trainer.train(
         engine=engine,
         train_rows=data["train"],

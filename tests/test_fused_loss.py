@@ -12,15 +12,23 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipeline import fused_loss
-from pipeline.fused_loss import IGNORE_INDEX
+from pipeline.dataset import IGNORE_INDEX
+from pipeline.trainer import collate, pack
 
 
 def tiny_lora(modules_to_save: list[str]) -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_cache=False,
+    )  # fmt: skip (no cache, as pipeline.model loads it for training: packed rows need it)
     model = LlamaForCausalLM(config)
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
@@ -82,3 +90,24 @@ def test_shifted_labels_and_plain_forward():
     torch.testing.assert_close(
         fused(input_ids=inputs["input_ids"]).logits, reference(input_ids=inputs["input_ids"]).logits
     )
+
+
+def test_packed_rows_equal_padded_batch():
+    """SFT rows of several lengths packed end to end (positions restarting, no row seeing another) give the padded
+    batch's loss and gradients, through the fused loss and through transformers' own."""
+    ids = batch()["input_ids"]
+    labels = batch()["labels"]
+    rows = [{"input_ids": ids[i, :n], "labels": labels[i, :n]} for i, n in enumerate((17, 12, 9))]
+    for install in (False, True):
+        model = tiny_lora([])
+        if install:
+            fused_loss.install(model)
+        want, want_grads = loss_and_grads(model, collate(rows, pad_id=0))
+        packed = pack(rows, pad_id=0)
+        assert packed["input_ids"].shape == (1, 17 + 12 + 9)
+        got, got_grads = loss_and_grads(model, packed)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for name in want_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+    same = [{"input_ids": ids[i], "labels": labels[i]} for i in range(3)]
+    assert pack(same, pad_id=0).keys() == {"input_ids", "labels"}  # packed text blocks stay a plain batch

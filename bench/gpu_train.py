@@ -1,0 +1,93 @@
+"""GPU training throughput of our train stage (runs only where CUDA is present): a randomly initialised model of
+Llama-3-8B's shape, LoRA r=16 on every linear layer, bf16, packed 4096-token blocks of the embedded corpus, one GPU,
+ZeRO-2, a few dozen steps through `python -m stages.train`. Reports tokens/s per GPU, MFU with the LoRA convention
+of trainer.mfu (4N per token + attention) and with 6N for comparison, and peak GPU memory. Goal on one H100: at
+least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
+
+    python -m bench.gpu_train [--steps 30] [--checkpointing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+
+from bench.common import report
+from bench.scale_check import write_random_llama
+from pipeline import config
+from pipeline.atomic import read_json
+from pipeline.processes import with_venv_path
+from pipeline.trainer import PEAK_TFLOPS
+
+SHAPE = {  # Llama-3-8B
+    "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}  # fmt: skip
+BLOCK = 4096
+
+
+def overrides(steps: int, checkpointing: bool) -> list[str]:
+    return [
+        f"data.block_size={BLOCK}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.target_modules=all-linear",
+        f"train.max_steps={steps}", "train.warmup_steps=2", "train.micro_batch_size=1", "train.global_batch_size=1",
+        "train.precision=bf16", f"train.gradient_checkpointing={str(checkpointing).lower()}", "deepspeed=zero2",
+        "launcher.accelerator=cuda", "launcher.ranks_per_node=1", f"train.eval_every={steps}",
+        f"train.save_every={steps}", "train.eval_max_rows=1", "tracking.uri=", "tracking.tensorboard=false",
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--checkpointing", action="store_true", help="recompute activations (less memory)")
+    parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gpu_train: no CUDA device here; nothing measured")
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu-train-") as tmp:
+        work = Path(tmp)
+        params = work / "params.yaml"
+        params.write_text(yaml.safe_dump(config.compose("conf", overrides(args.steps, args.checkpointing))))
+        n_params = write_random_llama(work / "base", args.tokenizer, shape=SHAPE)
+        env = with_venv_path()
+        subprocess.run([
+            sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", str(args.tokenizer),
+            "--base-config", str(work / "base" / "config.json"), "--out", str(work / "dataset"),
+            "--metrics", str(work / "dataset.json"), "--run-id-file", str(work / "run.json"),
+        ], check=True, env=env)  # fmt: skip
+        subprocess.run([
+            sys.executable, "-m", "stages.train", "--params", str(params), "--base", str(work / "base"),
+            "--tokenizer", str(args.tokenizer), "--dataset", str(work / "dataset"), "--checkpoints",
+            str(work / "ckpt"), "--metrics", str(work / "train.json"), "--curve", str(work / "curve.csv"),
+            "--run-id-file", str(work / "run.json"),
+        ], check=True, env=env)  # fmt: skip
+        metrics = read_json(work / "train.json")
+    name = torch.cuda.get_device_name(0)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    tokens_per_s = metrics["tokens_per_s"]
+    figures = {
+        "device": name,
+        "parameters": n_params,
+        "steps": args.steps,
+        "block": BLOCK,
+        "gradient_checkpointing": args.checkpointing,
+        "tokens_per_s_per_gpu": round(tokens_per_s, 1),
+        "mfu_4n_attention": metrics["mfu"],
+        "mfu_6n": round(tokens_per_s * 6 * n_params / (peak * 1e12), 4) if peak else None,
+        "peak_gpu_memory_mb": metrics.get("peak_gpu_memory_mb"),
+        "target_tokens_per_s": 12_500,
+        "target_mfu": 0.45,
+    }
+    report("gpu_train", figures)
+
+
+if __name__ == "__main__":
+    main()
