@@ -101,7 +101,7 @@ def theirs(work: Path, data: Path, kind: str, precision: str) -> dict:
 def eager(work: Path, kind: str, precision: str) -> float:
     """Tokens/s of RANKS bare eager processes (bench/eager_loop.py) run at once, one thread each: their sum."""
     command = [sys.executable, "-m", "bench.eager_loop", "--dataset", str(work / kind / "dataset"),
-               "--precision", precision, "--micro", str(MICRO), "--steps", "6"]  # fmt: skip
+               "--precision", precision, "--micro", str(MICRO), "--steps", str(STEPS)]  # fmt: skip
     env = {**with_venv_path(), "OMP_NUM_THREADS": "1"}
     workers = [
         subprocess.Popen([*command, "--offset", str(i)], env=env, stdout=subprocess.PIPE, text=True)
