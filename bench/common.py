@@ -66,51 +66,45 @@ def run_measured(command: list[str]) -> tuple[float, float, str]:
     return seconds, int(peak) / 1024, "\n".join(output)
 
 
-def run_process_peaks(
-    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
-) -> tuple[float, float]:
-    """(wall seconds, the largest peak resident MB of any one process of the tree, sampled every `interval` s) of
-    `command`: for a launcher and its ranks, the peak memory per rank, measured the same way for any tool."""
+def _sampled_tree(command: list[str], env: dict[str, str] | None, interval: float) -> tuple[float, float, float]:
+    """Run `command`, sampling the resident memory of it and all its children every `interval` s: (wall seconds,
+    peak MB of their sum, largest peak MB of any one process). Its output is kept for the error a failure raises."""
     import subprocess
 
     import psutil
 
     start = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    root, peaks, output = psutil.Process(process.pid), {}, []
-
+    root, output, total_peak, peaks = psutil.Process(process.pid), [], 0, {}
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
     while process.poll() is None:
+        total = 0
         for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                peaks[proc.pid] = max(peaks.get(proc.pid, 0), proc.memory_info().rss)
+            with contextlib.suppress(psutil.Error):  # a worker that just ended
+                rss = proc.memory_info().rss
+                total += rss
+                peaks[proc.pid] = max(peaks.get(proc.pid, 0), rss)
+        total_peak = max(total_peak, total)
         time.sleep(interval)
     seconds = time.perf_counter() - start
     reader.join()
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{''.join(output)[-4000:]}")
-    return seconds, max(peaks.values()) / 2**20
+    return seconds, total_peak / 2**20, max(peaks.values(), default=0) / 2**20
+
+
+def run_process_peaks(
+    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
+) -> tuple[float, float]:
+    """(wall seconds, the largest peak resident MB of any one process of the tree) of `command`: for a launcher
+    and its ranks, the peak memory per rank, measured the same way for any tool."""
+    seconds, _, largest = _sampled_tree(command, env, interval)
+    return seconds, largest
 
 
 def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, float]:
-    """(wall seconds, peak of the summed resident MB of the process and all its children, sampled every
-    `interval` s) of `command`: the memory of a job that runs worker processes side by side."""
-    import subprocess
-
-    import psutil
-
-    start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    root, peak = psutil.Process(process.pid), 0
-    while process.poll() is None:
-        total = 0
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):  # a worker that just ended
-                total += proc.memory_info().rss
-        peak = max(peak, total)
-        time.sleep(interval)
-    seconds = time.perf_counter() - start
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{process.stderr.read()[-3000:]}")
-    return seconds, peak / 2**20
+    """(wall seconds, peak of the summed resident MB of the process and all its children) of `command`: the memory
+    of a job that runs worker processes side by side."""
+    seconds, total, _ = _sampled_tree(command, None, interval)
+    return seconds, total

@@ -108,7 +108,8 @@ def config(*, base: Path, data: Path, kind: str, precision: str, steps: int, mic
 
 
 def tokenize_once(work: Path, *, base: Path, data: Path, kind: str, block: int, tokenized: Path, ranks: int) -> None:
-    """Its first run with `tokenized_path`: tokenize, save and stop (its users then train from the saved data)."""
+    """Its first run with `tokenized_path` (unmeasured: it tokenizes, saves, then trains one step); the measured
+    runs load what it saved, as its users' later runs do."""
     if tokenized.exists():
         return
     work.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,8 +31,12 @@ CORPUS = {"text": Path("data/corpus/peoples_daily_train.txt"), "chat": Path("dat
 HELDOUT = {"text": Path("data/corpus/peoples_daily_heldout.txt"), "chat": Path("data/corpus/chitchat_heldout.jsonl")}
 
 
-def overrides(kind: str, precision: str, subset: Path) -> list[str]:
-    data = [f"data.train_file={subset}", f"data.heldout_file={HELDOUT[kind]}"]
+def subset_file(work: Path, kind: str) -> Path:
+    return work / f"{kind}{CORPUS[kind].suffix}"
+
+
+def overrides(kind: str, precision: str, work: Path) -> list[str]:
+    data = [f"data.train_file={subset_file(work, kind)}", f"data.heldout_file={HELDOUT[kind]}"]
     if kind == "chat":
         data = ["experiment=sft_chat", *data, f"data.max_seq_len={BLOCK}"]
     return [
@@ -49,11 +54,10 @@ def prepare(work: Path) -> Path:
     lines = {}
     for kind, corpus in CORPUS.items():
         lines[kind] = corpus.read_text(encoding="utf-8").splitlines(keepends=True)[:SUBSET_LINES]
-        subset = work / f"{kind}{corpus.suffix}"
-        subset.write_text("".join(lines[kind]), encoding="utf-8")
+        subset_file(work, kind).write_text("".join(lines[kind]), encoding="utf-8")
         params = work / kind / "params.yaml"
         params.parent.mkdir(parents=True)
-        params.write_text(yaml.safe_dump(config.compose("conf", overrides(kind, "fp32", subset))))
+        params.write_text(yaml.safe_dump(config.compose("conf", overrides(kind, "fp32", work))))
         subprocess.run([
             sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", "artifacts/tokenizer",
             "--base-config", "artifacts/base/config.json", "--out", str(work / kind / "dataset"),
@@ -66,10 +70,10 @@ def prepare(work: Path) -> Path:
 
 def ours(work: Path, kind: str, precision: str) -> dict:
     run = work / f"ours_{kind}_{precision}"
-    subprocess.run(["rm", "-rf", str(run)], check=True)
+    shutil.rmtree(run, ignore_errors=True)
     run.mkdir()
     params = run / "params.yaml"
-    params.write_text(yaml.safe_dump(config.compose("conf", overrides(kind, precision, work / "unused"))))
+    params.write_text(yaml.safe_dump(config.compose("conf", overrides(kind, precision, work))))
     before_launch()
     wall, peak = run_process_peaks([
         sys.executable, "-m", "stages.train", "--params", str(params), "--base", "artifacts/base",

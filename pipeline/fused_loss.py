@@ -74,12 +74,12 @@ def shifted(labels: torch.Tensor) -> torch.Tensor:
 
 
 def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
-    """The causal LM's output head when the fused loss computes what transformers' forward does (a decoder, then a
+    """The causal LM's output head when the fused loss computes what transformers' forward does (a
     bias-free Linear, frozen or trained in full; no logit scaling or soft-capping, no router loss), else None."""
     config = model.config
     if getattr(config, "final_logit_softcapping", None) is not None or hasattr(config, "logit_scale"):
         return None
-    if getattr(config, "output_router_logits", False) or model.get_decoder() is model:  # an auxiliary loss
+    if getattr(config, "output_router_logits", False):  # a router's auxiliary loss
         return None
     head = model.get_output_embeddings()
     if hasattr(head, "modules_to_save"):  # PEFT's modules_to_save wrapper: the trained copy
@@ -114,7 +114,7 @@ def install(model: torch.nn.Module) -> bool:
     """Give the causal LM inside `model` (a PEFT model or the LM itself) the fused loss; False (unchanged) where
     its head is not a plain Linear (see plain_head)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if plain_head(lm) is None:
+    if plain_head(lm) is None or lm.get_decoder() is lm:  # no separate decoder to run before the head
         return False
     lm.forward = MethodType(fused_forward, lm)
     return True

@@ -9,26 +9,18 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from pipeline import fused_loss
+from pipeline.base_model import tiny_llama_config
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.trainer import collate, pack
 
 
 def tiny_lora(modules_to_save: list[str]) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        use_cache=False,
-    )  # fmt: skip (no cache, as pipeline.model loads it for training: packed rows need it)
+    # no cache, as pipeline.model loads the model for training: packed rows need it
+    config = tiny_llama_config(vocab_size=101, max_position_embeddings=64, use_cache=False)
     model = LlamaForCausalLM(config)
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save
