@@ -78,14 +78,28 @@ def _embedding_names(model: torch.nn.Module) -> set[str]:
     return {name for name, param in model.named_parameters() if id(param) in weights}
 
 
-def load_whole(
-    *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, load_kwargs: dict | None = None
+def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int) -> torch.nn.Module:
+    """The base in `dtype`, its embeddings `vocab_rows` rows, each parameter read from the files into place a block
+    at a time (memory: the model in `dtype` and one block; from_pretrained would also map the whole files, which
+    count as the rank's memory while it converts them)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = _grown_config(base_dir, vocab_rows)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _fill(model, base_dir=base_dir, init=init, seed=seed, part=lambda param: (param.data.view(-1), 0, param.shape))
+    return model
+
+
+def load_quantized(
+    *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, load_kwargs: dict
 ) -> torch.nn.Module:
-    """The base in `dtype`, its embeddings grown to `vocab_rows` rows; `load_kwargs` go to from_pretrained (a
-    quantization config and where to load)."""
+    """The base quantized by from_pretrained (`load_kwargs`: the quantization config and where to load), its
+    floating-point parameters in `dtype`, its embeddings grown to `vocab_rows` rows."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, **(load_kwargs or {}))
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype, **load_kwargs)
     old = model.get_input_embeddings().weight.shape[0]
     if vocab_rows < old:
         raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
@@ -100,6 +114,38 @@ def load_whole(
             grown = added_rows(sources[name], init=init, seed=seed, std=std)
             params[name][old:] = grown(old, vocab_rows).to(params[name].device, dtype)
     return model
+
+
+def _grown_config(base_dir: Path, vocab_rows: int):
+    """The base's config with `vocab_rows` embedding rows (never fewer than the base's)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(base_dir)
+    if vocab_rows < config.vocab_size:
+        raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {config.vocab_size} embeddings")
+    config.vocab_size = vocab_rows
+    return config
+
+
+def _fill(model: torch.nn.Module, *, base_dir: Path, init: str, seed: int, part: Callable) -> None:
+    """Every parameter's values from the files, tied weights tied first: `part(param)` is (where this rank keeps
+    it, flat; the first element it keeps; the parameter's whole shape). Embedding rows past the files' are the
+    added rows."""
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    sources = _sources(model, model_tensors(base_dir), base_dir)
+    embeddings = _embedding_names(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            out, start, shape = part(param)
+            file_shape, shape = tuple(sources[name].shape), tuple(shape)
+            if file_shape != shape and not (name in embeddings and file_shape[1:] == shape[1:]):
+                raise ValueError(f"{base_dir}: {name} is {list(file_shape)} in the files, the model's is {list(shape)}")
+            grown = None
+            if name in embeddings:
+                grown = added_rows(sources[name], init=init, seed=seed, std=model.config.initializer_range)
+            if len(out):
+                fill_flat(out, sources[name], grown, start)
 
 
 def _partition_only():
@@ -121,32 +167,18 @@ def load_partitioned(
     """The base built under deepspeed.zero.Init (nothing initialised, nothing whole), each rank filling its own
     partition of every parameter from the files; embeddings have `vocab_rows` rows from the start."""
     import deepspeed.comm as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = AutoConfig.from_pretrained(base_dir)
-    old = config.vocab_size
-    if vocab_rows < old:
-        raise ValueError(f"tokenizer: {vocab_rows} rows is fewer than the model's {old} embeddings")
-    config.vocab_size = vocab_rows
+    config = _grown_config(base_dir, vocab_rows)
     with _partition_only()(config_dict_or_path=zero3_config, dtype=dtype), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    sources = _sources(model, model_tensors(base_dir), base_dir)
-    embeddings = _embedding_names(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            shape, file_shape = tuple(param.ds_shape), tuple(sources[name].shape)
-            if file_shape != shape and not (name in embeddings and file_shape[1:] == shape[1:]):
-                raise ValueError(f"{base_dir}: {name} is {list(file_shape)} in the files, the model's is {list(shape)}")
-            grown = None
-            if name in embeddings:
-                grown = added_rows(sources[name], init=init, seed=seed, std=config.initializer_range)
-            part = param.ds_tensor
-            start = part.ds_numel * dist.get_rank(group=param.ds_process_group)
-            count = max(0, min(part.ds_numel, param.ds_numel - start))
-            part.data.zero_()  # the padding of the last partition
-            if count:
-                fill_flat(part.data[:count], sources[name], grown, start)
+
+    def part(param):
+        held = param.ds_tensor
+        start = held.ds_numel * dist.get_rank(group=param.ds_process_group)
+        held.data.zero_()  # the padding of the last partition
+        return held.data[: max(0, min(held.ds_numel, param.ds_numel - start))], start, param.ds_shape
+
+    _fill(model, base_dir=base_dir, init=init, seed=seed, part=part)
     return model

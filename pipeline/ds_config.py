@@ -21,6 +21,9 @@ def accelerator_name(requested: str) -> str:
 def check_precision(precision: str, accelerator: str) -> None:
     """Refuse a precision the accelerator cannot train in."""
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    from pipeline import imports
+
+    imports.deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     supported = {

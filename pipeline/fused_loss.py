@@ -17,7 +17,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from pipeline.dataset import IGNORE_INDEX
 
-CHUNK_ELEMENTS = 2**24  # fp32 logits per chunk: 64 MB
+# fp32 logits per chunk, by device. The chunk is memory the step holds on top of its activations, and each chunk
+# reads the whole head weight again: a CPU computes at full rate from about 64 rows, a GPU needs a few hundred
+# (Llama-3's 128k vocabulary: 512 rows per 2**26 elements).
+CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}  # 16 MB; 256 MB
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -26,7 +29,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
         n, vocab = hidden.shape[0], weight.shape[0]
-        rows = max(1, CHUNK_ELEMENTS // vocab)
+        rows = max(1, CHUNK_ELEMENTS.get(hidden.device.type, 2**24) // vocab)
         # fp16 would underflow before the loss scale multiplies it in backward; bf16 has fp32's range
         kept = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
         grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None

@@ -137,7 +137,7 @@ def load_lora_model(
     if quantization is not None:
         from pipeline import quantization as bnb_base
 
-        model = base_weights.load_whole(**common, seed=seed, load_kwargs=bnb_base.load_kwargs(quantization, device))
+        model = base_weights.load_quantized(**common, seed=seed, load_kwargs=bnb_base.load_kwargs(quantization, device))
         bnb_base.prepare(model)
         if lora.use_dora:
             bnb_base.patch_peft_dequantize()

@@ -17,7 +17,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     import deepspeed
 
     from pipeline import ds_config as dsc
-    from pipeline import fused_loss, trainer
+    from pipeline import fused_loss, lean_layers, trainer
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
     from pipeline.precision import DTYPES
@@ -44,6 +44,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
         quantization=quantization,
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch["accelerator"] == "cuda" else "cpu",
     )
+    lean_layers.install(model)
     if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 the head's weight is gathered by its forward
         fused_loss.install(model)
     schedule = trainer.Schedule(
@@ -186,17 +187,21 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
-    import deepspeed
+    from pipeline import imports
+    from pipeline.atomic import read_json
+
+    run_state = read_json(args.checkpoints / "run.json")
+    if run_state["variant"]["quantization"] == "none":
+        imports.without_bitsandbytes()
+    deepspeed = imports.deepspeed()
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401
     from datasets import load_from_disk
 
     from pipeline import trainer
-    from pipeline.atomic import read_json
     from pipeline.processes import exit_rank, keep_freed_memory, leave_process_group
 
     deepspeed.init_distributed()
-    run_state = read_json(args.checkpoints / "run.json")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, schedule = build_engine(args, cfg, run_state)
     loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
