@@ -1,27 +1,43 @@
-"""DeepSpeed, PEFT and transformers imported without the optional packages they import whenever those are installed
-but a run does not use: DeepSpeed's autotuner imports MLflow (0.8 s and 50 MB in every rank), PEFT and transformers
-import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized. A None entry in sys.modules is Python's own
-"not importable": importing it raises ImportError and importlib.util.find_spec finds nothing, which is how these
-packages test for their optional dependencies."""
+"""DeepSpeed, PEFT and transformers imported without the optional parts they import whenever those are installed but
+a run does not use:
+- DeepSpeed's autotuner imports MLflow (0.8 s and 50 MB in every rank);
+- ZeRO imports its Muon optimizer (to tell it apart), whose functions are wrapped by torch.compile as it is imported,
+  which imports inductor: 1.2 s per rank, though we train with AdamW. Here it is imported with DeepSpeed's own
+  no-op decorator in torch.compile's place, so Muon would run uncompiled;
+- PEFT and transformers import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized.
+A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
+nothing, which is how these packages test for their optional dependencies."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 
+MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
 
 def deepspeed() -> ModuleType:
-    """DeepSpeed, imported (the first time) with MLflow absent; MLflow stays importable afterwards (our tracking
-    imports it when a run logs; DeepSpeed's autotuner, which we never run, is left without it)."""
+    """DeepSpeed, imported (the first time) with MLflow absent and its Muon optimizer uncompiled; MLflow stays
+    importable afterwards (our tracking imports it when a run logs; DeepSpeed's autotuner, which we never run, is
+    left without it)."""
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
         sys.modules["mlflow"] = None
         try:
             import deepspeed as loaded
         finally:
             del sys.modules["mlflow"]
-        return loaded
     import deepspeed as loaded
 
+    if MUON not in sys.modules:
+        from deepspeed.runtime import compiler
+
+        compile_ = compiler.compile
+        compiler.compile = lambda: compiler.dummy_decorator
+        try:
+            importlib.import_module(MUON)
+        finally:
+            compiler.compile = compile_
     return loaded
 
 
