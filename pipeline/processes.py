@@ -3,6 +3,7 @@ TCP port for the ranks' rendezvous."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -66,43 +67,95 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int) -> int:
-    """Start `ranks` processes of `command` on this node, as DeepSpeed's launcher does for one node (RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, MASTER_ADDR/PORT, --local_rank), and wait for them; the first failure ends
-    the others. Its exit code (0: all succeeded). Skips the `deepspeed` runner and its `launch` module, two more
-    interpreters importing DeepSpeed one after the other (about 3 s per launch on 2 cores), and their 1 s polling."""
-    import signal
-    import subprocess
+RELEASE_FD = "TRAIN_RELEASE_FD"  # the pipe a rank started ahead of its launch waits on
 
-    common = {**env, "WORLD_SIZE": str(ranks), "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
-              "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
-    children = [
-        subprocess.Popen([*command, f"--local_rank={rank}"], env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-        for rank in range(ranks)
-    ]
 
-    def stop(signum, _frame):
-        for child in children:
-            child.send_signal(signum)
+class Ranks:
+    """This node's ranks, started as DeepSpeed's launcher starts them for one node (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_SIZE, MASTER_ADDR/PORT, --local_rank), each then waiting in `released()` until the stage releases them:
+    they import torch, DeepSpeed and transformers while the stage still checks the run (2 of their 3.4 s of
+    imports, on 2 cores). Skips the `deepspeed` runner and its `launch` module, two more interpreters importing
+    DeepSpeed one after the other (about 3 s per launch), and their 1 s polling."""
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = 0
-        while children:
-            for child in list(children):
-                status = child.poll()
-                if status is None:
-                    continue
-                children.remove(child)
-                if status != 0 and code == 0:
-                    code = status
-                    for other in children:
-                        other.terminate()
-            time.sleep(0.05)
-        return code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    def __init__(self, command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int):
+        import subprocess
+
+        common = {**env, "WORLD_SIZE": str(ranks), "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+                  "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
+        self.children, self.pipes = [], []
+        for rank in range(ranks):
+            read, write = os.pipe()
+            self.children.append(
+                subprocess.Popen(
+                    [*command, f"--local_rank={rank}"],
+                    env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank), RELEASE_FD: str(read)},
+                    pass_fds=(read,),
+                )
+            )
+            os.close(read)
+            self.pipes.append(write)
+
+    def release(self, message: dict) -> None:
+        """Let every rank go on, with `message` (what it learns only now)."""
+        data = json.dumps(message).encode()
+        for pipe in self.pipes:
+            os.write(pipe, data)
+            os.close(pipe)
+        self.pipes = []
+
+    def cancel(self) -> None:
+        """End the ranks if they were never released (closing their pipe empty would also end them, once their
+        imports are done) or still run, and wait for them."""
+        for pipe in self.pipes:
+            os.close(pipe)
+        self.pipes = []
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+            child.wait()
+
+    def wait(self) -> int:
+        """Wait for the released ranks; the first failure ends the others. Their exit code (0: all succeeded)."""
+        import signal
+
+        children = list(self.children)
+
+        def stop(signum, _frame):
+            for child in children:
+                child.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = 0
+            while children:
+                for child in list(children):
+                    status = child.poll()
+                    if status is None:
+                        continue
+                    children.remove(child)
+                    if status != 0 and code == 0:
+                        code = status
+                        for other in children:
+                            other.terminate()
+                time.sleep(0.05)
+            return code
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def released() -> dict:
+    """In a rank started by `Ranks`: wait until the stage releases it and return its message; a stage that gives up
+    (its checks failed, or the run is already done) closes the pipe empty, and the rank exits. {} at once in a rank
+    started otherwise (the deepspeed launcher, on several nodes)."""
+    fd = os.environ.pop(RELEASE_FD, None)
+    if fd is None:
+        return {}
+    with os.fdopen(int(fd), "rb") as pipe:
+        data = pipe.read()
+    if not data:
+        sys.exit(0)
+    return json.loads(data)
 
 
 def keep_freed_memory() -> None:

@@ -188,10 +188,8 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     from pipeline import imports
-    from pipeline.atomic import read_json
 
-    run_state = read_json(args.checkpoints / "run.json")
-    if run_state["variant"]["quantization"] == "none":
+    if cfg.lora.quantization == "none":
         imports.without_bitsandbytes()
     deepspeed = imports.deepspeed()
     import peft  # noqa: F401  (imported before the load is measured)
@@ -199,8 +197,13 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     from datasets import load_from_disk
 
     from pipeline import trainer
-    from pipeline.processes import exit_rank, keep_freed_memory, leave_process_group
+    from pipeline.atomic import read_json
+    from pipeline.processes import exit_rank, keep_freed_memory, leave_process_group, released
 
+    universal = released().get("resume_universal")  # the stage's checks are done: run.json is written
+    if universal is not None:
+        args.resume_universal = Path(universal)
+    run_state = read_json(args.checkpoints / "run.json")
     deepspeed.init_distributed()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, schedule = build_engine(args, cfg, run_state)

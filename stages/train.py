@@ -14,9 +14,8 @@ from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import ensure_universal
 from pipeline.model import ALL_LINEAR, check_targets, describe_targets, meta_model, resolve_targets
-from pipeline.processes import before_launch, free_port, remove_stale_shm_buffers, run_ranks, with_venv_path
+from pipeline.processes import Ranks, before_launch, free_port, remove_stale_shm_buffers, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
-from pipeline.trainer import write_curve
 from stages._common import run
 
 # Not part of a training trajectory: reporting and checkpointing, and how the global batch is split into micro-batches
@@ -27,6 +26,7 @@ UNTRACKED_TRAIN_KEYS = (
 )  # fmt: skip
 FORWARDED = (
     "base", "tokenizer", "dataset", "checkpoints", "metrics", "curve", "run_id_file", "final_state", "tensorboard",
+    "loaded_state",
 )  # fmt: skip
 
 
@@ -193,21 +193,10 @@ def launch_command(launcher: config.LauncherConfig, ranks: int, worker_args: lis
     return command + ["--module", "stages._train_rank", *worker_args]
 
 
-def launch(args: argparse.Namespace, cfg: config.Config, resolved: dict, universal: Path | None) -> None:
-    """Start this node's ranks and wait for them."""
-    worker_args = ["--params", args.params]
-    for name in FORWARDED:
-        if getattr(args, name) is not None:
-            worker_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for flag, value in (("--resume-from", cfg.train.resume_from), ("--resume-universal", universal)):
-        if value is not None:
-            worker_args += [flag, str(value)]
-    if args.loaded_state is not None:
-        worker_args += ["--loaded-state", str(args.loaded_state)]
-    ranks = resolved["ranks_per_node"]
+def rank_environment(resolved: dict) -> dict[str, str]:
     env = {**with_venv_path(), "DS_ACCELERATOR": resolved["accelerator"]}
     if resolved["accelerator"] == "cpu":  # one thread per core and rank: all cores per rank oversubscribes them
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // resolved["ranks_per_node"])))
         # A fixed mmap threshold while loading: glibc otherwise raises it as tensors are freed, keeps load-sized
         # blocks in its heap and never returns them (3.9 -> 3.1 GB per rank). The loop then keeps its tensors in
         # the heap (processes.keep_freed_memory).
@@ -215,13 +204,47 @@ def launch(args: argparse.Namespace, cfg: config.Config, resolved: dict, univers
         # No per-thread cache of small freed blocks: held there they sit between the loop's freed tensors, which
         # then cannot merge, and the heap grows for the next step's (bench.train, bf16 text: 1.38 -> 1.30 GB).
         env.setdefault("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
+    return env
+
+
+def worker_args(args: argparse.Namespace, cfg: config.Config) -> list[str]:
+    """The ranks' arguments (all but the universal checkpoint to resume from, known once the checks are done)."""
+    worker = ["--params", args.params]
+    for name in FORWARDED:
+        if getattr(args, name, None) is not None:
+            worker += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if cfg.train.resume_from is not None:
+        worker += ["--resume-from", str(cfg.train.resume_from)]
+    return worker
+
+
+def start_ranks(args: argparse.Namespace, cfg: config.Config, resolved: dict) -> Ranks | None:
+    """On one node, this node's ranks, started now: they import while the stage checks the run, and wait for
+    `launch` to release them. None on several nodes (the deepspeed launcher starts them in `launch`)."""
+    if cfg.launcher.num_nodes != 1:
+        return None
     before_launch()
-    if cfg.launcher.num_nodes == 1:
-        port = cfg.launcher.master_port or free_port()
-        worker = [sys.executable, "-m", "stages._train_rank", *worker_args]
-        returncode = run_ranks(worker, ranks=ranks, env=env, master_addr=cfg.launcher.master_addr, master_port=port)
+    return Ranks(
+        [sys.executable, "-m", "stages._train_rank", *worker_args(args, cfg)],
+        ranks=resolved["ranks_per_node"],
+        env=rank_environment(resolved),
+        master_addr=cfg.launcher.master_addr,
+        master_port=cfg.launcher.master_port or free_port(),
+    )
+
+
+def launch(
+    args: argparse.Namespace, cfg: config.Config, resolved: dict, universal: Path | None, ranks: Ranks | None
+) -> None:
+    """Release this node's ranks (or start them on several nodes) and wait for them."""
+    if ranks is not None:
+        ranks.release({"resume_universal": None if universal is None else str(universal)})
+        returncode = ranks.wait()
     else:
-        returncode = subprocess.run(launch_command(cfg.launcher, ranks, worker_args), env=env).returncode
+        worker = worker_args(args, cfg) + ([] if universal is None else ["--resume-universal", str(universal)])
+        before_launch()
+        command = launch_command(cfg.launcher, resolved["ranks_per_node"], worker)
+        returncode = subprocess.run(command, env=rank_environment(resolved)).returncode
     remove_stale_shm_buffers()
     if returncode != 0:
         print(
@@ -232,8 +255,17 @@ def launch(args: argparse.Namespace, cfg: config.Config, resolved: dict, univers
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    t = cfg.train
     resolved = resolve(cfg)
+    ranks = start_ranks(args, cfg, resolved)
+    try:
+        return checked_run(args, cfg, resolved, ranks)
+    finally:
+        if ranks is not None:
+            ranks.cancel()  # unless released: the checks failed, or the run was already done
+
+
+def checked_run(args: argparse.Namespace, cfg: config.Config, resolved: dict, ranks: Ranks | None) -> dict:
+    t = cfg.train
     ds_config = dsc.build(
         zero=dsc.ZeroSettings(**cfg.deepspeed.model_dump()),
         precision=resolved["precision"],
@@ -248,6 +280,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     )
     state = run_state(args, cfg, resolved)
     if (saved := finished(args.checkpoints, state)) and args.final_state is None and args.loaded_state is None:
+        from pipeline.trainer import write_curve
+
         tag = folder.tag_for(saved["step"])
         print(f"train: {args.checkpoints / tag} is this run's final checkpoint; its figures are reported")
         metrics = {**saved["metrics"], "reused_checkpoint": tag}
@@ -263,7 +297,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     write_json(args.checkpoints / "run.json", {**state, "pad_token_id": pad or 0})
     write_json(args.checkpoints / "ds_config.json", ds_config)
     print(f"train: {resolved}")
-    launch(args, cfg, resolved, universal)
+    launch(args, cfg, resolved, universal, ranks)
     return read_json(args.metrics) if cfg.launcher.node_rank == 0 else {}  # global rank 0 runs on node 0
 
 
