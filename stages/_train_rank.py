@@ -1,4 +1,5 @@
-"""One DeepSpeed rank of the train stage (started by stages/train.py through the deepspeed launcher)."""
+"""One DeepSpeed rank of the train stage (started by stages/train.py: by itself on one node, through the deepspeed
+launcher on several)."""
 
 import argparse
 import json
