@@ -163,6 +163,28 @@ def save_splits(out_dir: Path, tables: dict[str, pa.Table]) -> None:
     DatasetDict(splits).save_to_disk(str(out_dir))
 
 
+class SplitRows:
+    """One split of a dataset `save_splits` wrote, read with pyarrow alone (memory-mapped): `rows[i]` is row i as
+    {column: numpy array}, as datasets' load_from_disk(...).with_format("numpy") gives it. The train ranks read their
+    data this way: importing datasets costs each of them 80 MB and 0.2 s for two columns they only index."""
+
+    def __init__(self, folder: Path):
+        import json
+
+        files = json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]
+        table = pa.concat_tables(
+            pa.ipc.open_stream(pa.memory_map(str(folder / f["filename"]))).read_all() for f in files
+        )
+        self.columns = {name: table.column(name) for name in table.column_names}
+        self.rows = table.num_rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return {name: np.array(column[int(index)].values, dtype=np.int64) for name, column in self.columns.items()}
+
+
 def masked_fraction(labels) -> float:
     """Share of label positions set to -100 (prompt or padding)."""
     flat = labels.ravel() if isinstance(labels, np.ndarray) else np.fromiter(chain.from_iterable(labels), np.int32)

@@ -230,7 +230,7 @@ def train(
         history.train.append(record)
         done = step + 1 == schedule.max_steps
         if (step + 1) % schedule.eval_every == 0 or done:
-            subset = val_rows.select(range(min(len(val_rows), schedule.eval_max_rows or len(val_rows))))
+            subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
             val_loss, _ = validate(engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id)
             entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
             history.validation.append(entry)

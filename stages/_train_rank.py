@@ -195,10 +195,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     deepspeed = imports.deepspeed()
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401
-    from datasets import load_from_disk
 
     from pipeline import trainer
     from pipeline.atomic import read_json
+    from pipeline.dataset import SplitRows
     from pipeline.processes import exit_rank, keep_freed_memory, leave_process_group, released
 
     universal = released().get("resume_universal")  # the stage's checks are done: run.json is written
@@ -209,7 +209,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, schedule = build_engine(args, cfg, run_state)
     loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    data = load_from_disk(str(args.dataset)).with_format("numpy")
+    data = {split: SplitRows(args.dataset / split) for split in ("train", "validation")}
     block, launch = len(data["train"][0]["input_ids"]), run_state["launch"]
     report, finish = reporting(args, cfg, engine, block=block, launch=launch, load=load_figures(engine, loading))
     saved = trainer.resume(

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.dataset import (
     IGNORE_INDEX,
+    SplitRows,
     build_instruction,
     build_pretraining,
     build_sft,
@@ -146,6 +147,28 @@ def test_saved_dataset_is_byte_identical_across_runs(smol, peoples_daily, tmp_pa
     loaded = load_from_disk(str(tmp_path / "a"))
     assert set(loaded) == {"train", "validation"}
     assert len(loaded["train"][0]["input_ids"]) == 32
+
+
+def test_split_rows_are_datasets_rows(smol, peoples_daily, tmp_path):
+    """What the train ranks read without datasets is what load_from_disk(...).with_format("numpy") reads: packed
+    blocks (fixed-size lists) and SFT rows (variable length)."""
+    from datasets import load_from_disk
+
+    packed, _ = build_pretraining(smol, peoples_daily[:100], block_size=32, tail="pad", validation_fraction=0.2, seed=1)
+    sft, _ = build_instruction(smol, ROWS * 10, template="chat", max_seq_len=256, validation_fraction=0.1, seed=0)
+    for name, tables in (("packed", packed), ("sft", sft)):
+        save_splits(tmp_path / name, tables)
+        reference = load_from_disk(str(tmp_path / name)).with_format("numpy")
+        for split in ("train", "validation"):
+            rows = SplitRows(tmp_path / name / split)
+            assert len(rows) == len(reference[split]) > 0
+            for i in range(len(rows)):
+                got, want = rows[np.int64(i)], reference[split][i]
+                assert got.keys() == want.keys() == {"input_ids", "labels"}
+                for key in got:
+                    assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), (name, i)
+        if name == "sft":  # the rows really vary in length
+            assert len({len(row["input_ids"]) for row in reference["train"]}) > 1
 
 
 def test_missing_and_empty_files_are_named(tmp_path):
