@@ -21,14 +21,14 @@ def deepspeed() -> ModuleType:
     """DeepSpeed, imported (the first time) with MLflow absent and its Muon optimizer uncompiled; MLflow stays
     importable afterwards (our tracking imports it when a run logs; DeepSpeed's autotuner, which we never run, is
     left without it)."""
-    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+    hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if hide:
         sys.modules["mlflow"] = None
-        try:
-            import deepspeed as loaded
-        finally:
+    try:
+        import deepspeed as loaded
+    finally:
+        if hide:
             del sys.modules["mlflow"]
-    import deepspeed as loaded
-
     if MUON not in sys.modules:
         from deepspeed.runtime import compiler
 
