@@ -4,7 +4,8 @@ a run does not use:
 - ZeRO imports its Muon optimizer (to tell it apart), whose functions are wrapped by torch.compile as it is imported,
   which imports inductor: 1.2 s per rank, though we train with AdamW. Here it is imported with DeepSpeed's own
   no-op decorator in torch.compile's place, so Muon would run uncompiled;
-- PEFT and transformers import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized.
+- PEFT and transformers import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized, and transformers
+  imports scipy.optimize for its object-detection losses (0.3 s).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
 nothing, which is how these packages test for their optional dependencies."""
 
@@ -41,7 +42,14 @@ def deepspeed() -> ModuleType:
     return loaded
 
 
-def without_bitsandbytes() -> None:
-    """Make bitsandbytes absent for the rest of this process (a run without a quantized base); call it before PEFT
-    or transformers are imported."""
-    sys.modules.setdefault("bitsandbytes", None)
+UNUSED = ("bitsandbytes", "scipy")
+
+
+def without_unused() -> None:
+    """Make bitsandbytes and scipy absent for the rest of this process (a run without a quantized base: bitsandbytes
+    quantizes, and may use scipy for it). Nothing is hidden once PEFT or transformers are imported: they may have
+    found them already, and would then fail to import them."""
+    if "transformers" in sys.modules or "peft" in sys.modules:
+        return
+    for name in UNUSED:
+        sys.modules.setdefault(name, None)

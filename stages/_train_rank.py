@@ -191,7 +191,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     from pipeline import imports
 
     if cfg.lora.quantization == "none":
-        imports.without_bitsandbytes()
+        imports.without_unused()
     deepspeed = imports.deepspeed()
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401

@@ -1,6 +1,6 @@
 """pipeline/imports.py in a fresh interpreter: DeepSpeed comes without MLflow, Muon and inductor, and MLflow and
-bitsandbytes' absence behave as the train ranks need (MLflow importable afterwards; bitsandbytes invisible to
-find_spec, as PEFT and transformers look for it)."""
+the absence of bitsandbytes and scipy behave as the train ranks need (MLflow importable afterwards; bitsandbytes and
+scipy invisible to find_spec, as PEFT and transformers look for them)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ import sys
 PROBE = """
 import importlib.util, json, sys
 from pipeline import imports
-imports.without_bitsandbytes()
+imports.without_unused()
 imports.deepspeed()
 after = {name: name in sys.modules for name in ("mlflow", imports.MUON, "torch._inductor.compile_fx")}
 import mlflow
 import peft
+import transformers.modeling_utils  # imports its losses, and scipy where it finds it
 print(json.dumps({**after, "mlflow_usable": hasattr(mlflow, "MlflowClient"),
-                  "bitsandbytes_found": importlib.util.find_spec("bitsandbytes") is not None,
-                  "peft_imported_bitsandbytes": sys.modules.get("bitsandbytes") is not None}))
+                  **{f"{name}_found": importlib.util.find_spec(name) is not None for name in imports.UNUSED},
+                  **{f"{name}_imported": sys.modules.get(name) is not None for name in imports.UNUSED}}))
 """
 
 
-def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes():
+def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes_or_scipy():
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {
@@ -31,5 +32,7 @@ def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes():
         "torch._inductor.compile_fx": False,
         "mlflow_usable": True,
         "bitsandbytes_found": False,
-        "peft_imported_bitsandbytes": False,
+        "scipy_found": False,
+        "bitsandbytes_imported": False,
+        "scipy_imported": False,
     }
