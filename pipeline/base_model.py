@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import outline
 from pipeline.atomic import atomic_path
 from pipeline.precision import DTYPES
 from pipeline.tokenizer import load_tokenizer, save_tokenizer
@@ -35,6 +36,7 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
             _check_roundtrip(model, tmp)
         save_tokenizer(tokenizer, tmp, source)
         config = _plain_config(tmp)
+        outline.write(tmp)
     with atomic_path(tokenizer_dir) as tmp:
         save_tokenizer(tokenizer, tmp, source)
     return {

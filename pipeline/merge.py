@@ -259,7 +259,7 @@ def _embedding_names(base_dir: Path, config: dict, base: dict[str, FileTensor]) 
     if embed is not None:
         tied = bool(config.get("tie_word_embeddings", head is None))
         return embed, head or "lm_head.weight", tied
-    from pipeline.model import meta_model
+    from pipeline.outline import meta_model
 
     model = meta_model(base_dir)
     names = {id(m): n for n, m in model.named_modules()}

@@ -9,52 +9,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pipeline.outline import Outline, of_model
+
 if TYPE_CHECKING:
     from pipeline.quantization import Quantization
 
 ALL_LINEAR = "all-linear"
 
 
-def linear_module_names(model: torch.nn.Module) -> list[str]:
+def linear_module_names(outline: Outline) -> list[str]:
     """Distinct leaf names of the Linear layers (what LoRA's target_modules match)."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return sorted({name.rsplit(".", 1)[-1] for name in outline.linear})
 
 
-def check_targets(model: torch.nn.Module, target_modules: list[str], modules_to_save: list[str]) -> None:
+def check_targets(outline: Outline, target_modules: list[str], modules_to_save: list[str]) -> None:
     """Every name (a leaf name, or the full path of one layer as all-linear resolves to) must match a Linear layer;
     PEFT itself only complains when none does."""
-    linear = linear_module_names(model)
-    paths = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    missing = [t for t in target_modules if t not in linear and t not in paths]
+    linear = linear_module_names(outline)
+    missing = [t for t in target_modules if t not in linear and t not in outline.linear]
     if missing:
         raise ValueError(f"lora.target_modules: {missing} match no Linear layer; available: {linear}")
-    leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    leaves = {name.rsplit(".", 1)[-1] for name in outline.modules}
     absent = [m for m in modules_to_save if m not in leaves]
     if absent:
         raise ValueError(f"lora.modules_to_save: {absent} match no module of the model")
 
 
-def resolve_targets(model: torch.nn.Module, target_modules: list[str] | str) -> list[str]:
+def resolve_targets(outline: Outline, target_modules: list[str] | str) -> list[str]:
     """The LoRA targets as PEFT will wrap them: `all-linear` as the full path of every Linear layer but the output
     head (PEFT's own rule), sorted; a list of leaf names as it is."""
     if target_modules != ALL_LINEAR:
         return list(target_modules)
-    head = model.get_output_embeddings()
-    return sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return sorted(name for name in outline.linear if name != outline.head)
 
 
 def describe_targets(targets: list[str]) -> str:
     """Targets by leaf name with their counts ("down_proj x30, q_proj x30"): short enough for an MLflow param."""
     counts = Counter(name.rsplit(".", 1)[-1] for name in targets)
     return ", ".join(f"{leaf} x{n}" if n > 1 else leaf for leaf, n in sorted(counts.items()))
-
-
-def meta_model(base_dir: Path) -> torch.nn.Module:
-    """The architecture without weights (cheap): for checks before a launch."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,8 +137,9 @@ def load_lora_model(
         model = base_weights.load_whole(**common, seed=seed)
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
-    targets = resolve_targets(model, lora.target_modules)
-    check_targets(model, targets, lora.modules_to_save)
+    outline = of_model(model)
+    targets = resolve_targets(outline, lora.target_modules)
+    check_targets(outline, targets, lora.modules_to_save)
     model.config.use_cache = False
     torch.manual_seed(seed)
     # PEFT gathers partitioned weights where it reads them (DoRA's initial magnitudes are the weights' row norms)

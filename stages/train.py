@@ -8,12 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import config, imports
+from pipeline import config, imports, outline
 from pipeline import ds_config as dsc
 from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import ensure_universal
-from pipeline.model import ALL_LINEAR, check_targets, describe_targets, meta_model, resolve_targets
+from pipeline.model import ALL_LINEAR, check_targets, describe_targets, resolve_targets
 from pipeline.processes import Ranks, before_launch, free_port, remove_stale_shm_buffers, with_venv_path
 from pipeline.tokenizer import META, load_tokenizer
 from stages._common import run
@@ -85,9 +85,9 @@ def variant(lora: config.LoraConfig, launch: dict) -> dict:
 def run_state(args: argparse.Namespace, cfg: config.Config, launch: dict) -> dict:
     """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
     lora, t = cfg.lora, cfg.train
-    meta = meta_model(args.base)
-    targets = resolve_targets(meta, lora.target_modules)
-    check_targets(meta, targets, lora.modules_to_save)
+    layers = outline.read(args.base)
+    targets = resolve_targets(layers, lora.target_modules)
+    check_targets(layers, targets, lora.modules_to_save)
     if lora.target_modules == ALL_LINEAR:
         print(f"train: lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
     base_rows = read_json(args.base / "config.json")["vocab_size"]

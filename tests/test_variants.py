@@ -11,12 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline import outline
 from pipeline.model import (
     LoraSpec,
     check_targets,
     describe_targets,
     load_lora_model,
-    meta_model,
     parameter_groups,
     resolve_targets,
 )
@@ -58,7 +58,7 @@ def test_loraplus_gives_b_and_magnitudes_their_rate_through_the_schedule(tiny_ba
 
 
 def test_all_linear_is_every_linear_but_the_head(tiny_base_dir):
-    meta = meta_model(tiny_base_dir)
+    meta = outline.read(tiny_base_dir)
     targets = resolve_targets(meta, "all-linear")
     assert len(targets) == 14 and not any("lm_head" in t for t in targets)
     assert describe_targets(targets) == ", ".join(f"{leaf} x2" for leaf in sorted(LINEAR))
