@@ -3,8 +3,9 @@ what LoRA's targets are checked and resolved against before the ranks load anyth
 
 prepare_base writes it beside the weights (FILE, with the digest of the config it describes). The train stage reads
 it instead of building the architecture on the meta device, which imports transformers' model code: 1.2 s alone,
-2.6 s on 2 cores shared with the ranks' own imports (bench.train, bf16 text: 0.75 s of the stage's wall time). A
-base without it (written by other means, or with a config edited since) is outlined from its architecture."""
+2.6 s on 2 cores shared with the ranks' own imports (bf16 text on bench.train's settings, the stage alone: 0.7 s of
+its wall time). A base without it (written by other means, or with a config edited since) is outlined from its
+architecture."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Outline:
 
 
 def of_model(model: torch.nn.Module) -> Outline:
+    """The outline of a built model (on any device, the meta device included)."""
     names = {id(module): name for name, module in model.named_modules()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return Outline(

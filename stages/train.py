@@ -259,7 +259,7 @@ def launch(
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if cfg.lora.quantization == "none":
-        imports.without_unused()  # the checks import transformers' models, which import scipy
+        imports.without_unused()  # a base without an outline is outlined from its architecture: model code
     resolved = resolve(cfg)
     ranks = start_ranks(args, cfg, resolved)
     try:
