@@ -77,6 +77,7 @@ def test_released_ranks_get_the_message_and_launcher_environment(tmp_path):
 def test_cancelled_ranks_end_without_running(tmp_path):
     ranks = Ranks([sys.executable, "-c", RANK, str(tmp_path)], ranks=2, env=_rank_environment(),
                   master_addr="127.0.0.1", master_port=free_port())  # fmt: skip
+    _wait_until_waiting(tmp_path)  # as when the stage's checks fail: the ranks have imported and wait
     ranks.cancel()
     assert all(child.returncode is not None for child in ranks.children)
     assert not list(tmp_path.glob("*.json"))
@@ -97,6 +98,13 @@ def test_ranks_of_a_stage_that_dies_before_releasing_them_exit_without_running(t
         time.sleep(0.1)
     assert not any(_running(pid) for pid in pids), "ranks left waiting by a dead stage"
     assert len(list(tmp_path.glob("*.waiting"))) == 2 and not list(tmp_path.glob("*.json"))
+
+
+def _wait_until_waiting(folder: Path) -> None:
+    deadline = time.monotonic() + 60
+    while len(list(folder.glob("*.waiting"))) < 2:
+        assert time.monotonic() < deadline, "the ranks never reached released()"
+        time.sleep(0.05)
 
 
 def _running(pid: int) -> bool:
