@@ -222,8 +222,9 @@ def _port_free(port: int) -> bool:
 
 
 def build_ops() -> None:
-    """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload),
-    so that no stage pays for it or can be killed in the middle of it (`make setup` runs this)."""
+    """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
+    and our bf16 attention kernels (pipeline/cpu_attention.cpp), so that no stage pays for it or can be killed in
+    the middle of it (`make setup` runs this)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     clear_stale_build_locks()
@@ -231,6 +232,9 @@ def build_ops() -> None:
 
     for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
         builder.load(verbose=False)
+    from pipeline import cpu_attention
+
+    cpu_attention.kernels()
 
 
 if __name__ == "__main__":

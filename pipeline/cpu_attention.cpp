@@ -1,0 +1,129 @@
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t to_bf16(float f) {  // round to nearest even, as PyTorch's conversion (NaN stays NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// exp(x) for x <= 0 to within 2 ulp (exp(-87) below): Cody-Waite reduction to |r| <= ln2/2, Taylor to r^7, the
+// power of two set in the exponent bits; plain float arithmetic the compiler vectorizes
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+}  // namespace
+
+// softmax(scores * scale) over each row's allowed keys, in bf16; rows: (sequences x kv heads, groups x queries, keys)
+torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Tensor> mask, int64_t queries,
+                    int64_t kv_heads) {
+  TORCH_CHECK(scores.scalar_type() == torch::kBFloat16 && scores.is_contiguous() && scores.dim() == 3);
+  auto out = torch::empty_like(scores);
+  const int64_t batches = scores.size(0), rows = scores.size(1), keys = scores.size(2);
+  const auto* in = reinterpret_cast<const uint16_t*>(scores.data_ptr());
+  auto* res = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const bool* m = nullptr;
+  int64_t mask_batches = 0;
+  torch::Tensor mask_c;
+  if (mask.has_value()) {
+    mask_c = mask->contiguous();
+    TORCH_CHECK(mask_c.scalar_type() == torch::kBool && mask_c.size(-1) == keys && mask_c.size(-2) == queries);
+    m = mask_c.data_ptr<bool>();
+    mask_batches = mask_c.numel() / (queries * keys);
+  }
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, batches * rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(keys);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / rows, q = (r % rows) % queries;
+      const uint16_t* x = in + r * keys;
+      uint16_t* y = res + r * keys;
+      const bool* allow = m ? m + ((mask_batches > 1 ? b / kv_heads : 0) * queries + q) * keys : nullptr;
+      const int64_t limit = m ? keys : q + 1;  // causal: the keys up to the query's own position
+      float peak = -3.0e38f;
+      bool any = !allow;
+      for (int64_t j = 0; j < limit && !any; ++j) any = allow[j];
+      if (!any) {  // attends nowhere (a padded query): zero probabilities, zero gradient
+        std::memset(y, 0, keys * sizeof(uint16_t));
+        continue;
+      }
+#pragma omp simd reduction(max : peak)
+      for (int64_t j = 0; j < limit; ++j) {
+        const float v = (!allow || allow[j]) ? to_float(x[j]) * s : -3.0e38f;
+        buf[j] = v;
+        peak = v > peak ? v : peak;
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < limit; ++j) {
+        const float e = (!allow || allow[j]) ? exp_nonpositive(buf[j] - peak) : 0.f;
+        buf[j] = e;
+        sum += e;
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < limit; ++j) y[j] = to_bf16(buf[j] * inv);
+      for (int64_t j = limit; j < keys; ++j) y[j] = 0;
+    }
+  });
+  return out;
+}
+
+// probs * (grad_probs - rowsum(probs * grad_probs)), in bf16, from bf16 probabilities and their gradient
+torch::Tensor grad_scores(torch::Tensor probs, torch::Tensor grad_probs) {
+  TORCH_CHECK(probs.scalar_type() == torch::kBFloat16 && grad_probs.scalar_type() == torch::kBFloat16);
+  TORCH_CHECK(probs.is_contiguous() && grad_probs.is_contiguous() && probs.sizes() == grad_probs.sizes());
+  auto out = torch::empty_like(probs);
+  const int64_t keys = probs.size(-1), rows = probs.numel() / keys;
+  const auto* p = reinterpret_cast<const uint16_t*>(probs.data_ptr());
+  const auto* g = reinterpret_cast<const uint16_t*>(grad_probs.data_ptr());
+  auto* res = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* pr = p + r * keys;
+      const uint16_t* gr = g + r * keys;
+      uint16_t* y = res + r * keys;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < keys; ++j) dot += to_float(pr[j]) * to_float(gr[j]);
+#pragma omp simd
+      for (int64_t j = 0; j < keys; ++j) y[j] = to_bf16(to_float(pr[j]) * (to_float(gr[j]) - dot));
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("probs", &probs);
+  m.def("grad_scores", &grad_scores);
+}
