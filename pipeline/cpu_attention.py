@@ -5,67 +5,27 @@ products, at about 100 GFLOP/s where this machine's bf16 matmuls reach 1,000 (AM
 64, its backward takes 7 ms of a decoder layer's 30. Here the backward recomputes the scores with one batched matmul
 over all query heads of a key-value head at once (grouped-query attention without copying the key and value heads),
 then the probabilities P, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K scale, dK = dS^T Q
-scale. P and dS each take one pass over the (tokens x tokens) rows, in C++ (cpu_attention.cpp, built once per
-environment by `make setup` or at the first use): softmax over the keys a query attends (causal, or the mask's),
-and the softmax's gradient from P and dP. P is computed as transformers' eager attention computes it in bf16 (the
-scores' matmul rounded to bf16, the softmax in fp32, rounded to bf16), and the gradients are as close to an fp64
-reference as eager's (tests/test_cpu_attention.py). The forward pass, and so every loss, is SDPA's, bit for bit.
-Memory: SDPA keeps the queries, keys, values, output and log-sum-exp; this keeps the queries, keys and values, and
-holds one layer's (query heads x tokens x tokens) scores while its backward runs.
+scale. P and dS each take one pass over the (tokens x tokens) rows in C++ (pipeline/cpu_kernels.py): softmax over
+the keys a query attends (causal, or the mask's), and the softmax's gradient from P and dP. P is computed as
+transformers' eager attention computes it in bf16 (the scores' matmul rounded to bf16, the softmax in fp32, rounded
+to bf16), and the gradients are as close to an fp64 reference as eager's (tests/test_cpu_attention.py). The forward
+pass, and so every loss, is SDPA's, bit for bit. Memory: SDPA keeps the queries, keys, values, output and
+log-sum-exp; this keeps the queries, keys and values, and holds one layer's (query heads x tokens x tokens) scores
+while its backward runs.
 
 Anything else (another device or dtype, dropout, soft-capping, a float mask, decoding with a cache), or a machine
 where the kernels cannot be built, goes to transformers' SDPA attention unchanged."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import platform
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from pipeline import cpu_kernels
+
 NAME = "sdpa_matmul_backward"
-SOURCE = Path(__file__).with_suffix(".cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
-
-
-def _library_name() -> str:
-    """The build's name, from what it depends on: the source, the flags, torch, and this CPU (-march=native)."""
-    cpu = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        cpu += next((line for line in cpuinfo.read_text().splitlines() if line.startswith(("flags", "Features"))), "")
-    digest = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
-                                         cpu.encode()])).hexdigest()  # fmt: skip
-    return f"cpu_attention_{digest[:16]}"
-
-
-def kernels():
-    """The compiled kernels, imported from the environment's extensions folder, and compiled there first when
-    missing (about 20 s; concurrent builders wait for one). None where they cannot be built."""
-    from pipeline.processes import extensions_dir
-
-    name = _library_name()
-    folder = extensions_dir() / name
-    library = folder / f"{name}.so"
-    if library.exists():
-        try:
-            spec = importlib.util.spec_from_file_location(name, library)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        except (ImportError, OSError):  # still being written by another process's build: wait for it below
-            pass
-    from torch.utils.cpp_extension import load
-
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(folder))
-    except (RuntimeError, OSError, ImportError):
-        return None
 
 
 class _Attention(torch.autograd.Function):
@@ -151,7 +111,7 @@ def install(model: torch.nn.Module) -> bool:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     bf16_cpu = model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    compiled = kernels() if bf16_cpu and model.config._attn_implementation == "sdpa" else None
+    compiled = cpu_kernels.load() if bf16_cpu and model.config._attn_implementation == "sdpa" else None
     if compiled is None:
         return False
     AttentionInterface.register(NAME, partial(attention, compiled=compiled))

@@ -6,7 +6,10 @@ the backward pass and runs log-softmax forward and backward over them: on a 128k
 4 GB held per micro-batch and several passes over it. Here each chunk's logits live only while its loss and its
 gradient (softmax - one-hot) are computed; the backward pass just scales what the forward pass kept (the gradient
 for the hidden states, and for a trained head its weight's). The loss is the same mean cross-entropy over the
-labelled positions, the same arithmetic in a different summation order (tests/test_fused_loss.py)."""
+labelled positions, the same arithmetic in a different summation order (tests/test_fused_loss.py). On a CPU, in bf16
+or fp32, each row's softmax cross-entropy is one C++ pass (pipeline/cpu_kernels.py) that writes the gradient over
+the row's logits, where PyTorch's operators make seven passes over the chunk (upcast, max, subtract, exp, sum,
+divide, downcast)."""
 
 from __future__ import annotations
 
@@ -15,12 +18,30 @@ from types import MethodType
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from pipeline import cpu_kernels
 from pipeline.dataset import IGNORE_INDEX
 
 # fp32 logits per chunk, by device. The chunk is memory the step holds on top of its activations, and each chunk
 # reads the whole head weight again: a CPU computes at full rate from about 64 rows, a GPU needs a few hundred
 # (Llama-3's 128k vocabulary: 512 rows per 2**26 elements).
 CHUNK_ELEMENTS = {"cpu": 2**22, "cuda": 2**26}  # 16 MB; 256 MB
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ kernel's: fp16 logits are upcast by PyTorch's operators
+
+
+def softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's operators on any device: the summed cross-entropy of the rows of `logits` (upcast to fp32) against
+    `targets`, and softmax - one-hot (fp32; over `logits` when they already were)."""
+    logits = logits.float()
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    peak = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(peak).exp_()  # in place: one pass for the loss and the gradient
+    sums = exp.sum(dim=-1, keepdim=True)
+    total = (peak.squeeze(1) + sums.log().squeeze(1) - target_logits).sum()
+    grad = exp.div_(sums)  # softmax
+    grad[torch.arange(len(targets), device=targets.device), targets] -= 1.0
+    return total, grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -35,19 +56,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        compiled = cpu_kernels.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
         for start in range(0, n, rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
-            logits = (h @ weight.T).float()  # as transformers: the head in the module's dtype, then upcast
-            target_logits = logits.gather(1, t[:, None]).squeeze(1)
-            peak = logits.amax(dim=-1, keepdim=True)
-            exp = logits.sub_(peak).exp_()  # in place: one pass for the loss and the gradient
-            sums = exp.sum(dim=-1, keepdim=True)
-            total += (peak.squeeze(1) + sums.log().squeeze(1) - target_logits).sum()
+            logits = h @ weight.T  # as transformers: the head in the module's dtype, then (here per row) upcast
+            if compiled is not None:  # one pass over each row, the gradient written over its logits
+                total += compiled.cross_entropy_rows(logits, t, grad_hidden is not None).sum()
+                grad = logits
+            else:
+                loss, grad = softmax_cross_entropy(logits, t)
+                total += loss
+                grad = grad.to(weight.dtype)
             if grad_hidden is None:
                 continue
-            grad = exp.div_(sums)  # softmax
-            grad[torch.arange(len(t), device=t.device), t] -= 1.0
-            grad = grad.to(weight.dtype)
             grad_hidden[start : start + rows] = (grad @ weight).div_(n)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)

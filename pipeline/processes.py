@@ -223,7 +223,7 @@ def _port_free(port: int) -> bool:
 
 def build_ops() -> None:
     """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
-    and our bf16 attention kernels (pipeline/cpu_attention.cpp), so that no stage pays for it or can be killed in
+    and our own CPU kernels (pipeline/cpu_kernels.py), so that no stage pays for it or can be killed in
     the middle of it (`make setup` runs this)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
@@ -232,9 +232,9 @@ def build_ops() -> None:
 
     for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
         builder.load(verbose=False)
-    from pipeline import cpu_attention
+    from pipeline import cpu_kernels
 
-    cpu_attention.kernels()
+    cpu_kernels.load()
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ from transformers import LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from pipeline import cpu_attention
+from pipeline import cpu_attention, cpu_kernels
 from pipeline.base_model import tiny_llama_config
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    kernels = cpu_attention.kernels()
-    assert kernels is not None, "make setup builds pipeline/cpu_attention.cpp; with gcc it must build"
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "make setup builds pipeline/cpu_kernels.cpp; with gcc it must build"
     return kernels
 
 

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
-from pipeline import fused_loss
+from pipeline import cpu_kernels, fused_loss
 from pipeline.base_model import tiny_llama_config
 from pipeline.dataset import IGNORE_INDEX
 from pipeline.trainer import collate, pack
@@ -103,3 +103,24 @@ def test_packed_rows_equal_padded_batch():
             torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
     same = [{"input_ids": ids[i], "labels": labels[i]} for i in range(3)]
     assert pack(same, pad_id=0).keys() == {"input_ids", "labels"}  # packed text blocks stay a plain batch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_kernel_computes_what_the_operators_do(dtype):
+    compiled = cpu_kernels.load()
+    assert compiled is not None, "make setup builds pipeline/cpu_kernels.cpp; with gcc it must build"
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 3001, generator=generator) * 4).to(dtype)  # a vocabulary the vector width does not divide
+    targets = torch.randint(0, 3001, (7,), generator=generator)
+    total, grad = fused_loss.softmax_cross_entropy(logits.clone(), targets)  # over the logits when fp32
+    written = logits.clone()
+    losses = compiled.cross_entropy_rows(written, targets, True)
+    torch.testing.assert_close(losses.sum(), total, atol=0, rtol=1e-6)
+    # the same softmax - one-hot: in fp32 within a few ulp (the exp's 2, the division's), in bf16 its rounding
+    tolerance = {"atol": 5e-7, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-9, "rtol": 2**-8}
+    torch.testing.assert_close(written.float(), grad.to(dtype).float(), **tolerance)
+    untouched = logits.clone()
+    torch.testing.assert_close(compiled.cross_entropy_rows(untouched, targets, False), losses, atol=0, rtol=0)
+    assert torch.equal(untouched, logits)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        compiled.cross_entropy_rows(logits.clone(), torch.full((7,), 3001), True)

@@ -1,8 +1,12 @@
+// The CPU kernels of pipeline/cpu_kernels.py: one pass per row where PyTorch's operators would make several over
+// memory (the attention's softmax and its gradient, the loss's softmax cross-entropy). Plain loops for the compiler
+// to vectorize (-O3 -march=native -fopenmp-simd).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -123,7 +127,64 @@ torch::Tensor grad_scores(torch::Tensor probs, torch::Tensor grad_probs) {
   return out;
 }
 
+namespace {
+
+inline float load(const uint16_t v) { return to_float(v); }
+inline float load(const float v) { return v; }
+inline void store(uint16_t* at, float v) { *at = to_bf16(v); }
+inline void store(float* at, float v) { *at = v; }
+
+template <typename T>
+void cross_entropy_rows_impl(T* logits, const int64_t* targets, float* losses, int64_t rows, int64_t vocab,
+                             bool write_grad) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> exps(vocab);
+    for (int64_t r = begin; r < end; ++r) {
+      T* x = logits + r * vocab;
+      const int64_t target = targets[r];
+      TORCH_CHECK(target >= 0 && target < vocab, "target ", target, " outside the vocabulary of ", vocab);
+      float peak = -3.0e38f;
+#pragma omp simd reduction(max : peak)
+      for (int64_t j = 0; j < vocab; ++j) peak = load(x[j]) > peak ? load(x[j]) : peak;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < vocab; ++j) {
+        const float e = exp_nonpositive(load(x[j]) - peak);
+        exps[j] = e;
+        sum += e;
+      }
+      losses[r] = peak + std::log(sum) - load(x[target]);
+      if (!write_grad) continue;
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t j = 0; j < vocab; ++j) store(x + j, exps[j] * inv);
+      store(x + target, exps[target] * inv - 1.f);
+    }
+  });
+}
+
+}  // namespace
+
+// Softmax cross-entropy of each row of `logits` (rows x vocabulary, bf16 or fp32) against its target: the rows'
+// losses (fp32); with write_grad, each row then holds softmax - one-hot (the loss's gradient), in its own dtype.
+torch::Tensor cross_entropy_rows(torch::Tensor logits, torch::Tensor targets, bool write_grad) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == torch::kLong);
+  TORCH_CHECK(targets.is_contiguous() && targets.numel() == logits.size(0));
+  auto losses = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat));
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  if (logits.scalar_type() == torch::kBFloat16) {
+    cross_entropy_rows_impl(reinterpret_cast<uint16_t*>(logits.data_ptr()), targets.data_ptr<int64_t>(),
+                            losses.data_ptr<float>(), rows, vocab, write_grad);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == torch::kFloat, "logits in bf16 or fp32");
+    cross_entropy_rows_impl(logits.data_ptr<float>(), targets.data_ptr<int64_t>(), losses.data_ptr<float>(), rows,
+                            vocab, write_grad);
+  }
+  return losses;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("probs", &probs);
   m.def("grad_scores", &grad_scores);
+  m.def("cross_entropy_rows", &cross_entropy_rows);
 }
