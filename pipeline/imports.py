@@ -6,6 +6,7 @@ a run does not use:
   no-op decorator in torch.compile's place, so Muon would run uncompiled;
 - PEFT and transformers import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized, and transformers
   imports scipy.optimize for its object-detection losses (0.3 s).
+DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
 nothing, which is how these packages test for their optional dependencies."""
 
@@ -39,7 +40,27 @@ def deepspeed() -> ModuleType:
             importlib.import_module(MUON)
         finally:
             compiler.compile = compile_
+    zero_init_keeps_dtype()
     return loaded
+
+
+def zero_init_keeps_dtype() -> None:
+    """Make deepspeed.zero.Init keep the dtype it is given. DeepSpeed 0.19.8 reads `dtype or fp16 if the accelerator
+    has fp16 else bf16`: on a CPU without fp16 (AMD's, Intel's before Sapphire Rapids) every ZeRO-3 partition of an
+    fp32 run, the base's and the adapter's (the engine converts them through Init), was bf16, the weights rounded
+    to bf16 and the run no longer what it was on another machine."""
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    if getattr(Init._set_dtype, "keeps_dtype", False):
+        return
+    set_dtype = Init._set_dtype
+
+    def keeping(self, ds_config, dtype):
+        set_dtype(self, ds_config, dtype)
+        self.dtype = dtype or self.dtype
+
+    keeping.keeps_dtype = True
+    Init._set_dtype = keeping
 
 
 UNUSED = ("bitsandbytes", "scipy")

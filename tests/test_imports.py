@@ -1,12 +1,17 @@
 """pipeline/imports.py in a fresh interpreter: DeepSpeed comes without MLflow, Muon and inductor, and MLflow and
 the absence of bitsandbytes and scipy behave as the train ranks need (MLflow importable afterwards; bitsandbytes and
-scipy invisible to find_spec, as PEFT and transformers look for them)."""
+scipy invisible to find_spec, as PEFT and transformers look for them); zero.Init keeps the dtype it is given on an
+accelerator without fp16."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import torch
+
+from pipeline import imports
 
 PROBE = """
 import importlib.util, json, sys
@@ -36,3 +41,15 @@ def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes_or_s
         "bitsandbytes_imported": False,
         "scipy_imported": False,
     }
+
+
+def test_zero_init_keeps_the_dtype_it_is_given_without_fp16(monkeypatch):
+    imports.deepspeed()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)  # as on AMD's CPUs
+    init = Init.__new__(Init)
+    for dtype in (torch.float32, torch.bfloat16):
+        Init._set_dtype(init, None, dtype)  # an explicit dtype: DeepSpeed 0.19.8 alone gives bf16 for fp32
+        assert init.dtype == dtype

@@ -80,13 +80,12 @@ def engine_config(source: dict, stage: int, world: int) -> dict:
 
 def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
     """One rank: build the engine, place the universal checkpoint into it, save."""
-    import deepspeed
-    import deepspeed.comm as dist
-
+    from pipeline import imports
     from pipeline.model import LoraSpec, lora_skeleton, parameter_groups
 
+    deepspeed = imports.deepspeed()
     deepspeed.init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     state = read_json(universal / folder.STATE)
     adapter = read_json(universal / adapter_format.CONFIG)
     source = torch.load(next(universal.glob("*model_states.pt")), map_location="cpu", weights_only=False)["ds_config"]
