@@ -205,8 +205,10 @@ def test_variant_two_ranks_equal_one_process_and_consolidate_and_merge(checkpoin
     if precision == "fp32":
         reference = load_file(source / "reference.safetensors")
         assert live.keys() == reference.keys()
-        for name, expected in reference.items():  # seen: 1.3e-5 with LoRA+'s 16x rate, under 1e-6 otherwise
-            torch.testing.assert_close(live[name], expected, atol=2e-5, rtol=0, msg=name)
+        # seen with LoRA+'s 16x rate: 1.3e-5 (Intel Xeon), 3.9e-5 (AMD EPYC); under 1e-6 otherwise
+        atol = 1e-4 if "loraplus" in variant else 2e-5
+        for name, expected in reference.items():
+            torch.testing.assert_close(live[name], expected, atol=atol, rtol=0, msg=name)
     if "loraplus" in variant:
         figures = json.loads((source / "loraplus.json").read_text())
         assert sorted(set(figures["group_lrs"])) == [pytest.approx(1e-2), pytest.approx(0.16)]
