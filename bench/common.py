@@ -48,63 +48,49 @@ def side_by_side(
 
 _PEAK = (
     "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
+    "print(flush=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
 )
 
 
-def run_measured(command: list[str]) -> tuple[float, float, str]:
-    """(wall seconds, peak resident MB, its standard output) of `command` run alone in a fresh wrapper process."""
+def run_measured(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float, str]:
+    """(wall seconds, peak resident MB, its standard output) of `command` run alone in a fresh wrapper process. The
+    peak is the kernel's high-water mark of the largest process of the tree (RUSAGE_CHILDREN's maxrss: the largest
+    of every descendant waited for), so for a launcher and its ranks it is the peak per rank, exact and with nothing
+    sampling beside them."""
     import subprocess
     import sys
 
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _PEAK, *command], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _PEAK, *command], capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}{done.stdout[-3000:]}")
     *output, peak = done.stdout.strip().splitlines()
     return seconds, int(peak) / 1024, "\n".join(output)
 
 
-def _sampled_tree(command: list[str], env: dict[str, str] | None, interval: float) -> tuple[float, float, float]:
-    """Run `command`, sampling the resident memory of it and all its children every `interval` s: (wall seconds,
-    peak MB of their sum, largest peak MB of any one process). Its output is kept for the error a failure raises."""
+def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, float]:
+    """(wall seconds, peak of the summed resident MB of the process and all its children) of `command`: the memory
+    of a job that runs worker processes side by side, sampled every `interval` s (its output is kept for the error
+    a failure raises)."""
     import subprocess
 
     import psutil
 
     start = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    root, output, total_peak, peaks = psutil.Process(process.pid), [], 0, {}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root, output, total_peak = psutil.Process(process.pid), [], 0
     reader = threading.Thread(target=lambda: output.extend(process.stdout), daemon=True)
     reader.start()
     while process.poll() is None:
         total = 0
         for proc in [root, *root.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):  # a worker that just ended
-                rss = proc.memory_info().rss
-                total += rss
-                peaks[proc.pid] = max(peaks.get(proc.pid, 0), rss)
+                total += proc.memory_info().rss
         total_peak = max(total_peak, total)
         time.sleep(interval)
     seconds = time.perf_counter() - start
     reader.join()
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{''.join(output)[-4000:]}")
-    return seconds, total_peak / 2**20, max(peaks.values(), default=0) / 2**20
-
-
-def run_process_peaks(
-    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
-) -> tuple[float, float]:
-    """(wall seconds, the largest peak resident MB of any one process of the tree) of `command`: for a launcher
-    and its ranks, the peak memory per rank, measured the same way for any tool."""
-    seconds, _, largest = _sampled_tree(command, env, interval)
-    return seconds, largest
-
-
-def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, float]:
-    """(wall seconds, peak of the summed resident MB of the process and all its children) of `command`: the memory
-    of a job that runs worker processes side by side."""
-    seconds, total, _ = _sampled_tree(command, None, interval)
-    return seconds, total
+    return seconds, total_peak / 2**20

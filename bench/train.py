@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from bench import llamafactory
-from bench.common import report, run_process_peaks
+from bench.common import report, run_measured
 from pipeline import config
 from pipeline.atomic import read_json
 from pipeline.precision import native_bf16
@@ -75,7 +75,7 @@ def ours(work: Path, kind: str, precision: str) -> dict:
     params = run / "params.yaml"
     params.write_text(yaml.safe_dump(config.compose("conf", overrides(kind, precision, work))))
     before_launch()
-    wall, peak = run_process_peaks([
+    wall, peak, _ = run_measured([
         sys.executable, "-m", "stages.train", "--params", str(params), "--base", "artifacts/base",
         "--tokenizer", "artifacts/tokenizer", "--dataset", str(work / kind / "dataset"),
         "--checkpoints", str(run / "ckpt"), "--metrics", str(run / "metrics.json"), "--curve", str(run / "curve.csv"),
@@ -95,7 +95,7 @@ def theirs(work: Path, data: Path, kind: str, precision: str) -> dict:
     )  # fmt: skip
     (run / "cfg.yaml").write_text(yaml.safe_dump(options))
     before_launch()
-    wall, peak = run_process_peaks(llamafactory.command(run / "cfg.yaml"), env=llamafactory.environment(RANKS))
+    wall, peak, _ = run_measured(llamafactory.command(run / "cfg.yaml"), env=llamafactory.environment(RANKS))
     loop_seconds, tokens = llamafactory.loop_figures(run)
     if kind == "text":  # every position of a packed block is a real token
         tokens = STEPS * MICRO * RANKS * BLOCK
