@@ -19,6 +19,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from pipeline import cpu_kernels
+from pipeline.cpu_linear import matmul_nt
 from pipeline.dataset import IGNORE_INDEX
 
 # fp32 logits per chunk, by device. The chunk is memory the step holds on top of its activations, and each chunk
@@ -59,7 +60,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         compiled = cpu_kernels.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
         for start in range(0, n, rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
-            logits = h @ weight.T  # as transformers: the head in the module's dtype, then (here per row) upcast
+            logits = matmul_nt(h, weight)  # as transformers: the head in the module's dtype, then (here per row) upcast
             if compiled is not None:  # one pass over each row, the gradient written over its logits
                 total += compiled.cross_entropy_rows(logits, t, grad_hidden is not None).sum()
                 grad = logits
@@ -69,7 +70,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad = grad.to(weight.dtype)
             if grad_hidden is None:
                 continue
-            grad_hidden[start : start + rows] = (grad @ weight).div_(n)
+            grad_hidden[start : start + rows] = matmul_nt(grad, weight.T).div_(n)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)
         ctx.save_for_backward(grad_hidden, grad_weight)

@@ -17,7 +17,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     quantized whole on every rank; LoRA+ groups); and its schedule."""
     import deepspeed
 
-    from pipeline import cpu_attention, fused_loss, lean_layers, trainer
+    from pipeline import cpu_attention, cpu_linear, fused_loss, lean_layers, trainer
     from pipeline import ds_config as dsc
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
@@ -46,6 +46,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch["accelerator"] == "cuda" else "cpu",
     )
     lean_layers.install(model)
+    cpu_linear.install(model)  # fp32 on a CPU: the frozen layers' matmuls through oneDNN
     cpu_attention.install(model)  # bf16 on a CPU: the attention's backward as matmuls
     if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 the head's weight is gathered by its forward
         fused_loss.install(model)

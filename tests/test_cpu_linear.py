@@ -1,0 +1,94 @@
+"""Frozen fp32 Linear layers through oneDNN (pipeline/cpu_linear.py): the product within fp32 rounding of an fp64
+reference, forward and backward; in a LoRA model the loss and every trained gradient those of nn.Linear's MKL path
+within fp32 rounding, only frozen fp32 layers changed and nothing more kept for the backward pass."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+from pipeline import cpu_linear
+from pipeline.base_model import tiny_llama_config
+
+pytestmark = pytest.mark.skipif(cpu_linear._MATMUL is None, reason="this PyTorch has no oneDNN")
+UNIT = 2**-24  # fp32's unit roundoff
+
+
+@pytest.mark.parametrize("shape", [(512, 576, 1536), (85, 1536, 4099), (3, 7, 5)], ids=str)
+def test_product_within_fp32_rounding(shape):
+    rows, inner, outer = shape
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(rows, inner, generator=generator), torch.randn(outer, inner, generator=generator)
+    bias = torch.randn(outer, generator=generator)
+    exact = x.double() @ weight.double().T + bias.double()
+    bound = (x.double().abs() @ weight.double().abs().T + bias.double().abs()) * UNIT
+    got = cpu_linear.matmul_nt(x, weight, bias)
+    assert got.dtype == torch.float32
+    error = (got.double() - exact).abs()
+    # a few units of rounding per element where the worst case of a sum of `inner` products is `inner` units
+    assert (error / bound).max() < 8, (error / bound).max()
+    assert error.norm() / exact.norm() < 1e-6
+    mkl = (x @ weight.T + bias).double()
+    assert error.norm() < 3 * (mkl - exact).norm()  # as close as MKL's within a small factor
+
+
+def test_gradient_is_the_transposed_product():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 48, generator=generator, requires_grad=True)
+    layer = torch.nn.Linear(48, 40).requires_grad_(False)
+    grad = torch.randn(2, 9, 40, generator=generator)
+    reference = layer(x)
+    reference.backward(grad)
+    want = x.grad.clone()
+    x.grad = None
+    assert cpu_linear.install(layer) == 1
+    out = layer(x)
+    torch.testing.assert_close(out, reference, atol=1e-6, rtol=1e-6)
+    out.backward(grad)
+    torch.testing.assert_close(x.grad, want, atol=1e-6, rtol=1e-6)
+    assert layer.weight.grad is None and layer.bias.grad is None
+
+
+def tiny_lora(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2)).to(dtype)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    for name, param in model.named_parameters():  # B away from zero: every LoRA tensor gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model.train()
+
+
+def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, the trained tensors' gradients, and how many tensors autograd kept for the backward pass."""
+    ids = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
+    kept = []
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, len(kept)
+
+
+def test_lora_model_trains_as_with_nn_linear():
+    reference = tiny_lora()
+    model = copy.deepcopy(reference)
+    # 2 layers x 7 projections and the head's frozen original; not LoRA's A and B, not the head's trained copy
+    assert cpu_linear.install(model) == 15
+    want_loss, want_grads, want_kept = step(reference)
+    loss, grads, kept = step(model)
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert grads.keys() == want_grads.keys() and any("lm_head" in n for n in grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert kept <= want_kept  # the weight (a parameter, not an activation) is all a frozen layer keeps
+
+
+def test_other_dtypes_are_left_to_pytorch():
+    assert cpu_linear.install(tiny_lora(torch.bfloat16)) == 0
+    assert not cpu_linear.applies(torch.zeros(2, 2, dtype=torch.float16))
