@@ -3,6 +3,7 @@
 // to vectorize (-O3 -march=native -fopenmp-simd).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -46,44 +47,36 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-}  // namespace
+inline float load(const uint16_t v) { return to_float(v); }
+inline float load(const float v) { return v; }
+inline void store(uint16_t* at, float v) { *at = to_bf16(v); }
+inline void store(float* at, float v) { *at = v; }
 
-// softmax(scores * scale) over each row's allowed keys, in bf16; rows: (sequences x kv heads, groups x queries, keys)
-torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Tensor> mask, int64_t queries,
-                    int64_t kv_heads) {
-  TORCH_CHECK(scores.scalar_type() == torch::kBFloat16 && scores.is_contiguous() && scores.dim() == 3);
-  auto out = torch::empty_like(scores);
-  const int64_t batches = scores.size(0), rows = scores.size(1), keys = scores.size(2);
-  const auto* in = reinterpret_cast<const uint16_t*>(scores.data_ptr());
-  auto* res = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const bool* m = nullptr;
-  int64_t mask_batches = 0;
-  torch::Tensor mask_c;
-  if (mask.has_value()) {
-    mask_c = mask->contiguous();
-    TORCH_CHECK(mask_c.scalar_type() == torch::kBool && mask_c.size(-1) == keys && mask_c.size(-2) == queries);
-    m = mask_c.data_ptr<bool>();
-    mask_batches = mask_c.numel() / (queries * keys);
-  }
-  const float s = static_cast<float>(scale);
+// softmax(scores * scale) over each row's allowed keys; rows: (sequences x kv heads, groups x queries, keys), the
+// block of `queries` queries starting at query `offset`, against keys 0 .. keys - 1. A mask (sequences or 1, all
+// queries, all keys) says which keys each query sees; causal: none after its own position.
+template <typename T>
+void probs_impl(const T* in, T* res, const bool* m, int64_t mask_batches, int64_t mask_queries, int64_t mask_keys,
+                int64_t batches, int64_t rows, int64_t keys, int64_t queries, int64_t kv_heads, int64_t offset,
+                bool causal, float s) {
   at::parallel_for(0, batches * rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(keys);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / rows, q = (r % rows) % queries;
-      const uint16_t* x = in + r * keys;
-      uint16_t* y = res + r * keys;
-      const bool* allow = m ? m + ((mask_batches > 1 ? b / kv_heads : 0) * queries + q) * keys : nullptr;
-      const int64_t limit = m ? keys : q + 1;  // causal: the keys up to the query's own position
+      const int64_t b = r / rows, q = offset + (r % rows) % queries;
+      const T* x = in + r * keys;
+      T* y = res + r * keys;
+      const bool* allow = m ? m + ((mask_batches > 1 ? b / kv_heads : 0) * mask_queries + q) * mask_keys : nullptr;
+      const int64_t limit = causal ? std::min(keys, q + 1) : keys;
       float peak = -3.0e38f;
       bool any = !allow;
       for (int64_t j = 0; j < limit && !any; ++j) any = allow[j];
       if (!any) {  // attends nowhere (a padded query): zero probabilities, zero gradient
-        std::memset(y, 0, keys * sizeof(uint16_t));
+        std::memset(y, 0, keys * sizeof(T));
         continue;
       }
 #pragma omp simd reduction(max : peak)
       for (int64_t j = 0; j < limit; ++j) {
-        const float v = (!allow || allow[j]) ? to_float(x[j]) * s : -3.0e38f;
+        const float v = (!allow || allow[j]) ? load(x[j]) * s : -3.0e38f;
         buf[j] = v;
         peak = v > peak ? v : peak;
       }
@@ -96,43 +89,78 @@ torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Ten
       }
       const float inv = 1.f / sum;
 #pragma omp simd
-      for (int64_t j = 0; j < limit; ++j) y[j] = to_bf16(buf[j] * inv);
-      for (int64_t j = limit; j < keys; ++j) y[j] = 0;
+      for (int64_t j = 0; j < limit; ++j) store(y + j, buf[j] * inv);
+      for (int64_t j = limit; j < keys; ++j) store(y + j, 0.f);
     }
   });
-  return out;
 }
 
-// probs * (grad_probs - rowsum(probs * grad_probs)), in bf16, from bf16 probabilities and their gradient
-torch::Tensor grad_scores(torch::Tensor probs, torch::Tensor grad_probs) {
-  TORCH_CHECK(probs.scalar_type() == torch::kBFloat16 && grad_probs.scalar_type() == torch::kBFloat16);
-  TORCH_CHECK(probs.is_contiguous() && grad_probs.is_contiguous() && probs.sizes() == grad_probs.sizes());
-  auto out = torch::empty_like(probs);
-  const int64_t keys = probs.size(-1), rows = probs.numel() / keys;
-  const auto* p = reinterpret_cast<const uint16_t*>(probs.data_ptr());
-  const auto* g = reinterpret_cast<const uint16_t*>(grad_probs.data_ptr());
-  auto* res = reinterpret_cast<uint16_t*>(out.data_ptr());
+// probs * (grad_probs - rowsum(probs * grad_probs)), from probabilities and their gradient, in their dtype
+template <typename T>
+void grad_scores_impl(const T* p, const T* g, T* res, int64_t rows, int64_t keys) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* pr = p + r * keys;
-      const uint16_t* gr = g + r * keys;
-      uint16_t* y = res + r * keys;
+      const T* pr = p + r * keys;
+      const T* gr = g + r * keys;
+      T* y = res + r * keys;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < keys; ++j) dot += to_float(pr[j]) * to_float(gr[j]);
+      for (int64_t j = 0; j < keys; ++j) dot += load(pr[j]) * load(gr[j]);
 #pragma omp simd
-      for (int64_t j = 0; j < keys; ++j) y[j] = to_bf16(to_float(pr[j]) * (to_float(gr[j]) - dot));
+      for (int64_t j = 0; j < keys; ++j) store(y + j, load(pr[j]) * (load(gr[j]) - dot));
     }
   });
+}
+
+}  // namespace
+
+// The attention's probabilities (bf16 or fp32 scores, the same dtype out); see probs_impl.
+torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Tensor> mask, int64_t queries,
+                    int64_t kv_heads, int64_t offset, bool causal) {
+  TORCH_CHECK(scores.is_contiguous() && scores.dim() == 3 && (causal || mask.has_value()));
+  auto out = torch::empty_like(scores);
+  const int64_t batches = scores.size(0), rows = scores.size(1), keys = scores.size(2);
+  const bool* m = nullptr;
+  int64_t mask_batches = 0, mask_queries = 0, mask_keys = 0;
+  torch::Tensor mask_c;
+  if (mask.has_value()) {
+    mask_c = mask->contiguous();
+    mask_queries = mask_c.size(-2), mask_keys = mask_c.size(-1);
+    TORCH_CHECK(mask_c.scalar_type() == torch::kBool && mask_keys >= keys && mask_queries >= offset + queries);
+    m = mask_c.data_ptr<bool>();
+    mask_batches = mask_c.numel() / (mask_queries * mask_keys);
+  }
+  const float s = static_cast<float>(scale);
+  if (scores.scalar_type() == torch::kBFloat16) {
+    probs_impl(reinterpret_cast<const uint16_t*>(scores.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), m,
+               mask_batches, mask_queries, mask_keys, batches, rows, keys, queries, kv_heads, offset, causal, s);
+  } else {
+    TORCH_CHECK(scores.scalar_type() == torch::kFloat, "scores in bf16 or fp32");
+    probs_impl(scores.data_ptr<float>(), out.data_ptr<float>(), m, mask_batches, mask_queries, mask_keys, batches,
+               rows, keys, queries, kv_heads, offset, causal, s);
+  }
   return out;
 }
 
-namespace {
+// The softmax's gradient (bf16 or fp32); see grad_scores_impl.
+torch::Tensor grad_scores(torch::Tensor probs, torch::Tensor grad_probs) {
+  TORCH_CHECK(probs.scalar_type() == grad_probs.scalar_type() && probs.sizes() == grad_probs.sizes());
+  TORCH_CHECK(probs.is_contiguous() && grad_probs.is_contiguous());
+  auto out = torch::empty_like(probs);
+  const int64_t keys = probs.size(-1), rows = probs.numel() / keys;
+  if (probs.scalar_type() == torch::kBFloat16) {
+    grad_scores_impl(reinterpret_cast<const uint16_t*>(probs.data_ptr()),
+                     reinterpret_cast<const uint16_t*>(grad_probs.data_ptr()),
+                     reinterpret_cast<uint16_t*>(out.data_ptr()), rows, keys);
+  } else {
+    TORCH_CHECK(probs.scalar_type() == torch::kFloat, "probabilities in bf16 or fp32");
+    grad_scores_impl(probs.data_ptr<float>(), grad_probs.data_ptr<float>(), out.data_ptr<float>(), rows, keys);
+  }
+  return out;
+}
 
-inline float load(const uint16_t v) { return to_float(v); }
-inline float load(const float v) { return v; }
-inline void store(uint16_t* at, float v) { *at = to_bf16(v); }
-inline void store(float* at, float v) { *at = v; }
+
+namespace {
 
 template <typename T>
 void cross_entropy_rows_impl(T* logits, const int64_t* targets, float* losses, int64_t rows, int64_t vocab,

@@ -47,7 +47,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     )
     lean_layers.install(model)
     cpu_linear.install(model)  # fp32 on a CPU: the frozen layers' matmuls through oneDNN
-    cpu_attention.install(model)  # bf16 on a CPU: the attention's backward as matmuls
+    cpu_attention.install(model)  # on a CPU: the attention's backward as matmuls, causal blocks
     if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 the head's weight is gathered by its forward
         fused_loss.install(model)
     schedule = trainer.Schedule(
