@@ -223,7 +223,7 @@ def _port_free(port: int) -> bool:
 
 def build_ops() -> None:
     """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
-    and our own CPU kernels (pipeline/cpu_kernels.py), so that no stage pays for it or can be killed in
+    and our own CPU kernels and allocator (pipeline/cpu_kernels.py), so that no stage pays for it or can be killed in
     the middle of it (`make setup` runs this)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
@@ -232,9 +232,10 @@ def build_ops() -> None:
 
     for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
         builder.load(verbose=False)
-    from pipeline import cpu_kernels
+    from pipeline import cpu_allocator, cpu_kernels
 
     cpu_kernels.load()
+    cpu_kernels.build(cpu_allocator.SOURCE)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     )
     save_gathered(engine, args.loaded_state, moments=True)  # what the run continues from, as loaded
     keep_freed_memory()
+    if launch["accelerator"] == "cpu":
+        from pipeline import cpu_allocator
+
+        cpu_allocator.install()  # the loop's large tensors in a region of their own: no heap split by small ones
     metrics = trainer.train(
         engine=engine,
         train_rows=data["train"],
