@@ -48,9 +48,9 @@ def loss_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 
 @pytest.mark.parametrize("modules_to_save", [[], ["lm_head"]], ids=["frozen_head", "trained_head"])
-@pytest.mark.parametrize("chunk", [fused_loss.CHUNK_ELEMENTS["cpu"], 101 * 5], ids=["one_chunk", "chunks_of_5_rows"])
+@pytest.mark.parametrize("chunk", [fused_loss.CHUNK_BYTES["cpu"], 101 * 5 * 4], ids=["one_chunk", "chunks_of_5_rows"])
 def test_fused_loss_equals_transformers(modules_to_save, chunk, monkeypatch):
-    monkeypatch.setitem(fused_loss.CHUNK_ELEMENTS, "cpu", chunk)
+    monkeypatch.setitem(fused_loss.CHUNK_BYTES, "cpu", chunk)  # fp32: 4 bytes a logit
     reference = tiny_lora(modules_to_save)
     fused = copy.deepcopy(reference)
     assert fused_loss.install(fused)
