@@ -17,7 +17,7 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     quantized whole on every rank; LoRA+ groups); and its schedule."""
     import deepspeed
 
-    from pipeline import cpu_attention, cpu_linear, fused_loss, lean_layers, trainer
+    from pipeline import cpu_attention, cpu_linear, fused_loss, lean_layers, lora_linear, trainer
     from pipeline import ds_config as dsc
     from pipeline.atomic import read_json
     from pipeline.model import LoraSpec, load_lora_model, parameter_groups
@@ -48,8 +48,9 @@ def build_engine(args: argparse.Namespace, cfg: config.Config, run_state: dict):
     lean_layers.install(model)
     cpu_linear.install(model)  # fp32 on a CPU: the frozen layers' matmuls through oneDNN
     cpu_attention.install(model)  # on a CPU: the attention's backward as matmuls, causal blocks
-    if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 the head's weight is gathered by its forward
+    if ds_config["zero_optimization"]["stage"] != 3:  # under ZeRO-3 a layer's weights are gathered by its forward
         fused_loss.install(model)
+        lora_linear.install(model)
     schedule = trainer.Schedule(
         micro_batch_size=t.micro_batch_size,
         accumulation=ds_config["gradient_accumulation_steps"],

@@ -1,0 +1,93 @@
+"""PEFT LoRA layers as one autograd function (pipeline/lora_linear.py): the loss and every trained gradient within
+rounding of PEFT's (fp32, bf16; with LoRA's dropout, drawing the same masks; a trained head beside), nothing more
+kept for the backward pass; DoRA, disabled and merged adapters run PEFT's own forward, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+from pipeline import cpu_linear, lora_linear
+from pipeline.base_model import tiny_llama_config
+
+TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def tiny_lora(dtype: torch.dtype, *, dropout: float = 0.0, use_dora: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2)).to(dtype)
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, modules_to_save=["lm_head"], use_dora=use_dora
+    )
+    model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    for name, param in model.named_parameters():  # B away from zero: every LoRA tensor gets a gradient
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model.train()
+
+
+def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """Loss, trained gradients and the bytes of activations (not parameters) kept for the backward pass, with the
+    RNG seeded (dropout)."""
+    ids = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
+    kept = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.zero_grad()
+    torch.manual_seed(5)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return (
+        loss.detach(),
+        {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad},
+        sum(kept.values()),
+    )
+
+
+@pytest.mark.parametrize("frozen_linear", [False, True], ids=["nn_linear", "cpu_linear"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_layers_train_as_peft(dtype, dropout, frozen_linear):
+    reference = tiny_lora(dtype, dropout=dropout)
+    model = copy.deepcopy(reference)
+    assert lora_linear.install(model) == 2 * len(TARGETS)
+    if frozen_linear:
+        cpu_linear.install(model)
+    want, want_grads, want_kept = step(reference)
+    got, got_grads, got_kept = step(model)
+    relative = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=0, rtol=relative / 10)
+    assert got_grads.keys() == want_grads.keys() and sum("lora_" in n for n in got_grads) == 4 * len(TARGETS)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=relative * grad.abs().max().item(), rtol=0, msg=name)
+    assert got_kept <= want_kept
+
+
+def test_what_it_does_not_fuse_runs_peft_s_forward():
+    reference = tiny_lora(torch.float32, use_dora=True)
+    model = copy.deepcopy(reference)
+    lora_linear.install(model)
+    want, want_grads, _ = step(reference)
+    got, got_grads, _ = step(model)
+    assert torch.equal(got, want) and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+    plain = tiny_lora(torch.float32)
+    fused = copy.deepcopy(plain)
+    lora_linear.install(fused)
+    ids = torch.randint(0, 101, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        with plain.disable_adapter(), fused.disable_adapter():
+            assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+        plain.merge_adapter()
+        fused.merge_adapter()
+        assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
