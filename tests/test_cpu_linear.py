@@ -8,11 +8,9 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaForCausalLM
 
 from pipeline import cpu_linear
-from pipeline.base_model import tiny_llama_config
+from tests.lora_model import step, tiny_lora
 
 pytestmark = pytest.mark.skipif(cpu_linear._MATMUL is None, reason="this PyTorch has no oneDNN")
 UNIT = 2**-24  # fp32's unit roundoff
@@ -53,30 +51,8 @@ def test_gradient_is_the_transposed_product():
     assert layer.weight.grad is None and layer.bias.grad is None
 
 
-def tiny_lora(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2)).to(dtype)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
-    model = get_peft_model(model, lora, autocast_adapter_dtype=False)
-    for name, param in model.named_parameters():  # B away from zero: every LoRA tensor gets a gradient
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.1)
-    return model.train()
-
-
-def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """Loss, the trained tensors' gradients, and how many tensors autograd kept for the backward pass."""
-    ids = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
-    kept = []
-    model.zero_grad()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, len(kept)
-
-
 def test_lora_model_trains_as_with_nn_linear():
-    reference = tiny_lora()
+    reference = tiny_lora(torch.float32)
     model = copy.deepcopy(reference)
     # 2 layers x 7 projections and the head's frozen original; not LoRA's A and B, not the head's trained copy
     assert cpu_linear.install(model) == 15
@@ -86,7 +62,7 @@ def test_lora_model_trains_as_with_nn_linear():
     assert grads.keys() == want_grads.keys() and any("lm_head" in n for n in grads)
     for name, grad in want_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
-    assert kept <= want_kept  # the weight (a parameter, not an activation) is all a frozen layer keeps
+    assert kept <= want_kept  # the input, as nn.Linear keeps it; the weight is a parameter
 
 
 def test_other_dtypes_are_left_to_pytorch():

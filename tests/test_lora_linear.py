@@ -8,51 +8,9 @@ import copy
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaForCausalLM
 
 from pipeline import cpu_linear, lora_linear
-from pipeline.base_model import tiny_llama_config
-
-TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
-
-
-def tiny_lora(dtype: torch.dtype, *, dropout: float = 0.0, use_dora: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2)).to(dtype)
-    config = LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, modules_to_save=["lm_head"], use_dora=use_dora
-    )
-    model = get_peft_model(model, config, autocast_adapter_dtype=False)
-    for name, param in model.named_parameters():  # B away from zero: every LoRA tensor gets a gradient
-        if "lora_B" in name:
-            torch.nn.init.normal_(param, std=0.1)
-    return model.train()
-
-
-def step(model) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """Loss, trained gradients and the bytes of activations (not parameters) kept for the backward pass, with the
-    RNG seeded (dropout)."""
-    ids = torch.randint(0, 101, (2, 17), generator=torch.Generator().manual_seed(1))
-    kept = {}
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    model.zero_grad()
-    torch.manual_seed(5)
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return (
-        loss.detach(),
-        {n: p.grad.float() for n, p in model.named_parameters() if p.requires_grad},
-        sum(kept.values()),
-    )
+from tests.lora_model import TARGETS, step, tiny_lora
 
 
 @pytest.mark.parametrize("frozen_linear", [False, True], ids=["nn_linear", "cpu_linear"])
