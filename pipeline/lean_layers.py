@@ -75,18 +75,18 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, rms = ctx.saved_tensors
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad * (x.to(torch.float32) * rms).to(x.dtype)).sum_to_size(weight.shape)
+        x32 = x.to(torch.float32) if ctx.compiled is None or ctx.needs_input_grad[1] else None
         if ctx.compiled is not None:
             grad_x = ctx.compiled.rms_norm_backward(grad.contiguous(), x, weight.detach().contiguous(), rms)
-            return grad_x, grad_weight, None
-        x32 = x.to(torch.float32)
-        grad_normed = (grad * weight).to(torch.float32)
-        grad_rms = (grad_normed * x32).sum(-1, keepdim=True)
-        grad_square_mean = -0.5 * grad_rms * rms.pow(3)  # rsqrt's derivative, as autograd writes it
-        grad_squares = grad_square_mean.expand(x32.shape) / x32.shape[-1]
-        grad_x = (grad_normed * rms + grad_squares * (2 * x32)).to(x.dtype)
+        else:
+            grad_normed = (grad * weight).to(torch.float32)
+            grad_rms = (grad_normed * x32).sum(-1, keepdim=True)
+            grad_square_mean = -0.5 * grad_rms * rms.pow(3)  # rsqrt's derivative, as autograd writes it
+            grad_squares = grad_square_mean.expand(x32.shape) / x32.shape[-1]
+            grad_x = (grad_normed * rms + grad_squares * (2 * x32)).to(x.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * (x32 * rms).to(x.dtype)).sum_to_size(weight.shape)
         return grad_x, grad_weight, None
 
 
