@@ -19,7 +19,7 @@ $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	$(VENV)/bin/python -m pip install -q --upgrade pip==26.3
 	$(VENV)/bin/pip install -q -r requirements.txt -c constraints.txt
 	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
-	$(VENV)/bin/python -m pipeline.processes  # DeepSpeed's CPU ops, built once into $(VENV)/torch_extensions
+	$(VENV)/bin/python -m pipeline.training.launch  # DeepSpeed's CPU ops, built once into $(VENV)/torch_extensions
 	$(VENV)/bin/python -m tools.plots_template  # dvc plots show offline
 	touch $@
 
@@ -56,7 +56,7 @@ format: setup ## apply ruff's fixes and formatting
 	ruff check --fix pipeline stages tools tests bench && ruff format pipeline stages tools tests bench
 
 params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does) and docs/configuration.md
-	python -m pipeline.config
+	python -m pipeline.core.config
 	python -m tools.config_reference
 
 bench: run ## benchmarks against the tools users would otherwise use

@@ -9,9 +9,9 @@ from itertools import chain
 from pathlib import Path
 
 from bench.common import median_seconds, report
-from pipeline.dataset import build_pretraining, save_splits
-from pipeline.textio import read_documents
-from pipeline.tokenizer import load_tokenizer
+from pipeline.data.dataset import build_pretraining, save_splits
+from pipeline.data.textio import read_documents
+from pipeline.data.tokenizer import load_tokenizer
 
 CORPUS = Path("data/corpus/peoples_daily_train.txt")
 TOKENIZER = Path("artifacts/tokenizer")

@@ -24,7 +24,7 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.trainer import collate
+    from pipeline.data.batches import collate
 
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained("artifacts/base", dtype=dtype)

@@ -11,14 +11,14 @@ import tempfile
 from pathlib import Path
 
 from bench.common import report, run_measured
-from pipeline.atomic import read_json
+from pipeline.core.atomic import read_json
 
 MODEL, TEXT, CONTEXT, MAX_BYTES = Path("artifacts/merged"), Path("data/corpus/peoples_daily_heldout.txt"), 512, 16000
 
 
 def documents() -> list[str]:
     """The documents our --max-bytes keeps: whole lines up to MAX_BYTES."""
-    from pipeline.textio import read_documents
+    from pipeline.data.textio import read_documents
 
     kept, total = [], 0
     for doc in read_documents(TEXT):

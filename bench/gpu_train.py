@@ -1,7 +1,7 @@
 """GPU training throughput of our train stage (runs only where CUDA is present): a randomly initialised model of
 Llama-3-8B's shape, LoRA r=16 on every linear layer, bf16, packed 4096-token blocks of the embedded corpus, one GPU,
 ZeRO-2, a few dozen steps through `python -m stages.train`. Reports tokens/s per GPU, MFU with the LoRA convention
-of trainer.mfu (4N per token + attention) and with 6N for comparison, and peak GPU memory. Goal on one H100: at
+of training.figures.mfu (4N per token + attention) and with 6N for comparison, and peak GPU memory. Goal on one H100: at
 least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
 
     python -m bench.gpu_train [--steps 30] [--checkpointing]
@@ -20,10 +20,10 @@ import yaml
 
 from bench.common import report
 from bench.scale_check import write_random_llama
-from pipeline import config
-from pipeline.atomic import read_json
-from pipeline.processes import with_venv_path
-from pipeline.trainer import PEAK_TFLOPS
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import with_venv_path
+from pipeline.training.figures import PEAK_TFLOPS
 
 SHAPE = {  # Llama-3-8B
     "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,

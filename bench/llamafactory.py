@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.processes import free_port
+from pipeline.core.environment import free_port
 
 VERSION = "0.9.5"
 VENV = Path(".bench") / f"llamafactory-{VERSION}"

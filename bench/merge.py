@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from bench.common import report, run_measured
-from pipeline.atomic import read_json
+from pipeline.core.atomic import read_json
 
 BASE, ADAPTER = Path("artifacts/base"), Path("artifacts/adapter")
 

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from bench.common import run_measured
-from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints import model_files, safetensors_stream
-from pipeline.processes import with_venv_path
+from pipeline.core.atomic import read_json, write_json
+from pipeline.core.environment import with_venv_path
 from tools.repro_check import copy_project, sh
 
 SHAPE = {  # Llama-3.2-3B
@@ -130,8 +130,8 @@ def read_yaml(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import psutil
 
-    from pipeline.assets import resolve
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.core.assets import resolve
+    from pipeline.data.tokenizer import load_tokenizer
     from tools.repro_check import REPO
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if project.exists():
         sh(["rm", "-rf", str(project)], work)
     copy_project(project, REPO)
-    sh([sys.executable, "-m", "pipeline.config", *OVERRIDES, f"model.path={base}"], project)
+    sh([sys.executable, "-m", "pipeline.core.config", *OVERRIDES, f"model.path={base}"], project)
     rows = []
     for stage, command in stage_commands(project):
         seconds, peak_mb, _ = run_measured(["bash", "-c", f"cd {project} && {command}"])

@@ -36,7 +36,7 @@ def reference(uri: str) -> None:
     import matplotlib.pyplot as plt
     import mlflow
 
-    from pipeline.tracking import flatten, numeric_leaves
+    from pipeline.tracking.mlflow_run import flatten, numeric_leaves
 
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment("llm-lora")

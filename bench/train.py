@@ -20,10 +20,11 @@ import yaml
 
 from bench import llamafactory
 from bench.common import report, run_measured
-from pipeline import config
-from pipeline.atomic import read_json
-from pipeline.precision import native_bf16
-from pipeline.processes import before_launch, with_venv_path
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import with_venv_path
+from pipeline.core.precision import native_bf16
+from pipeline.training.launch import before_launch
 
 STEPS, RANKS, MICRO, BLOCK, LR = 8, 2, 2, 256, 2e-4
 SUBSET_LINES = 3000  # of each corpus: enough blocks and dialogues for 8 steps, quick to tokenize

@@ -32,8 +32,8 @@ def one(base: Path, variant: str, steps: int, batch: int, tokens: int) -> dict:
     """Train `steps` steps of `variant` in this process; the median step time after a first (warm-up) step."""
     import torch
 
-    from pipeline.model import LoraSpec, count_parameters, load_lora_model, parameter_groups
-    from pipeline.quantization import Quantization
+    from pipeline.model.lora import LoraSpec, count_parameters, load_lora_model, parameter_groups
+    from pipeline.model.quantization import Quantization
 
     torch.set_num_threads(1)
     changes, ratio, kind = VARIANTS[variant]
@@ -70,7 +70,7 @@ def merge_gap(base: Path, kind: str, workdir: Path) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from pipeline.merge import merge
+    from pipeline.merge.fold import merge
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

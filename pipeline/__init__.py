@@ -1,1 +1,3 @@
-"""Library of the LoRA fine-tuning pipeline: small typed functions, no knowledge of DVC or Hydra."""
+"""The library behind the stages: packages by concern, each importing only those before it in this list (checked by
+tests/unit/test_layers.py): core, data, tracking, checkpoints, model, kernels, training, merge, evaluation, export;
+`cli` (`python -m pipeline`) on top."""

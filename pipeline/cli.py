@@ -8,9 +8,9 @@ import json
 from functools import partial
 from pathlib import Path
 
-from pipeline.atomic import atomic_path
-from pipeline.errors import guarded
-from pipeline.quiet import quiet_third_parties
+from pipeline.core.atomic import atomic_path
+from pipeline.core.errors import guarded
+from pipeline.core.quiet import quiet_third_parties
 
 
 def _consolidate(args: argparse.Namespace) -> None:
@@ -38,7 +38,7 @@ def _convert(args: argparse.Namespace) -> None:
 
     from pipeline.checkpoints.locate import locate
     from pipeline.checkpoints.universal import ensure_universal, is_universal, to_universal
-    from pipeline.checkpoints.zero_writer import to_zero
+    from pipeline.training.zero_writer import to_zero
 
     start = time.perf_counter()
     if args.to == "zero":
@@ -73,7 +73,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 
 def _merge(args: argparse.Namespace) -> None:
-    from pipeline.merge import merge
+    from pipeline.merge.fold import merge
 
     report = merge(
         base_dir=args.base,
@@ -90,8 +90,8 @@ def _merge(args: argparse.Namespace) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
-    from pipeline import evaluate as ev
-    from pipeline.tokenizer import find_tokenizer, load_tokenizer
+    from pipeline.data.tokenizer import find_tokenizer, load_tokenizer
+    from pipeline.evaluation import likelihood as ev
 
     if args.stride > args.context:
         raise ValueError(f"--stride: must be <= --context ({args.context}), got {args.stride}")
@@ -121,7 +121,7 @@ def stage_defaults(group: str, choice: str = "default") -> dict:
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from pipeline import chat
+    from pipeline.evaluation import chat
 
     sampling = chat.Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     model, tokenizer = chat.load(args.model, args.adapter, args.precision)
@@ -132,8 +132,8 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from pipeline.gguf_export import check_exportable, export_gguf
-    from pipeline.gguf_roundtrip import roundtrip
+    from pipeline.export.gguf import check_exportable, export_gguf
+    from pipeline.export.gguf_roundtrip import roundtrip
 
     check_exportable(args.model, args.type)
     written = export_gguf(model_dir=args.model, out=args.out, type_name=args.type)
@@ -146,8 +146,8 @@ def _export(args: argparse.Namespace) -> None:
 def _card(args: argparse.Namespace) -> None:
     import yaml
 
-    from pipeline import model_card
-    from pipeline.atomic import read_json
+    from pipeline.core.atomic import read_json
+    from pipeline.export import model_card
 
     def figures(name: str) -> dict | None:
         path = args.metrics / f"{name}.json"

@@ -12,34 +12,13 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import config
-from pipeline.errors import guarded
-from pipeline.quiet import quiet_third_parties
-from pipeline.tracking import Tracker, flatten, numeric_leaves, open_run, runtime_tags
-
-EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
-PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipelines' runs become child runs
+from pipeline.core import config
+from pipeline.core.errors import guarded
+from pipeline.core.quiet import quiet_third_parties
+from pipeline.tracking import execution
+from pipeline.tracking.mlflow_run import Tracker, flatten, numeric_leaves, runtime_tags
 
 Main = Callable[[argparse.Namespace, config.Config], "dict | None"]
-
-
-def execution_id() -> str:
-    """The pipeline execution this process belongs to: $PIPELINE_EXECUTION, else the nearest `dvc` ancestor process
-    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time."""
-    if os.environ.get(EXECUTION_ENV):
-        return os.environ[EXECUTION_ENV]
-    import psutil
-
-    parent = node = psutil.Process().parent()
-    while node is not None:
-        try:
-            argv = node.cmdline()
-        except psutil.Error:
-            break
-        if any(Path(arg).name == "dvc" for arg in argv[:3]):
-            return f"dvc-{node.pid}-{node.create_time():.3f}"
-        node = node.parent()
-    return f"process-{parent.pid}-{parent.create_time():.3f}" if parent else f"process-{os.getpid()}"
 
 
 def stage_name() -> str:
@@ -48,18 +27,8 @@ def stage_name() -> str:
 
 
 def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
-    """Open (or join) the MLflow run of this pipeline execution; child processes started afterwards join it too.
-    A relative SQLite store lives in the main workspace ($DVC_ROOT), also for experiments DVC runs in a copy."""
-    os.environ[EXECUTION_ENV] = execution = execution_id()
-    return open_run(
-        cfg.tracking.uri,
-        cfg.tracking.experiment,
-        run_id_file,
-        execution=execution,
-        run_name=os.environ.get("DVC_EXP_NAME"),
-        parent_run_id=os.environ.get(PARENT_RUN_ENV),
-        root=Path(os.environ.get("DVC_ROOT") or Path.cwd()),
-    )
+    """The pipeline execution's MLflow run, as `cfg.tracking` names it (opened, or joined)."""
+    return execution.pipeline_run(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_id_file=run_id_file)
 
 
 def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) -> None:

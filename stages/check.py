@@ -6,9 +6,9 @@ will read them."""
 import argparse
 from pathlib import Path
 
-from pipeline import assets, config
-from pipeline.atomic import write_json
-from pipeline.textio import read_data
+from pipeline.core import assets, config
+from pipeline.core.atomic import write_json
+from pipeline.data.textio import read_data
 from stages._common import run
 
 

@@ -3,9 +3,10 @@
 import argparse
 from pathlib import Path
 
-from pipeline import config, model_card
-from pipeline.atomic import read_json, write_json
 from pipeline.checkpoints.consolidate import consolidate
+from pipeline.core import config
+from pipeline.core.atomic import read_json, write_json
+from pipeline.export import model_card
 from stages._common import run
 
 

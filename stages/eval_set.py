@@ -6,9 +6,9 @@ import json
 import shutil
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import atomic_path
-from pipeline.textio import held_out, read_data
+from pipeline.core import config
+from pipeline.core.atomic import atomic_path
+from pipeline.data.textio import held_out, read_data
 from stages._common import run
 
 

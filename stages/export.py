@@ -5,8 +5,8 @@ it on, so that the default pipeline neither spends the time nor caches a second 
 import argparse
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import atomic_path, write_json
+from pipeline.core import config
+from pipeline.core.atomic import atomic_path, write_json
 from stages._common import run
 
 GGUF = "model.gguf"
@@ -23,8 +23,8 @@ or export any merged model by hand:
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    from pipeline.gguf_export import check_exportable, export_gguf
-    from pipeline.gguf_roundtrip import roundtrip
+    from pipeline.export.gguf import check_exportable, export_gguf
+    from pipeline.export.gguf_roundtrip import roundtrip
 
     x = cfg.export
     if not x.gguf:

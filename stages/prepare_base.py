@@ -3,9 +3,9 @@
 import argparse
 from pathlib import Path
 
-from pipeline import assets, config
-from pipeline.atomic import write_json
-from pipeline.base_model import import_base
+from pipeline.core import assets, config
+from pipeline.core.atomic import write_json
+from pipeline.model.base_import import import_base
 from stages._common import run
 
 

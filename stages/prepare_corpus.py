@@ -3,9 +3,9 @@
 import argparse
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import atomic_path, write_json
-from pipeline.corpus import build_packaged_corpora
+from pipeline.core import config
+from pipeline.core.atomic import atomic_path, write_json
+from pipeline.data.corpus import build_packaged_corpora
 from stages._common import run
 
 

@@ -5,10 +5,10 @@ import argparse
 import shutil
 from pathlib import Path
 
-from pipeline import config
-from pipeline.atomic import atomic_path, write_json
-from pipeline.textio import held_out, read_texts
-from pipeline.tokenizer import META, load_tokenizer, round_up, tokens_per_char, write_extended
+from pipeline.core import config
+from pipeline.core.atomic import atomic_path, write_json
+from pipeline.data.textio import held_out, read_texts
+from pipeline.data.tokenizer import META, first_chars, load_tokenizer, round_up, tokens_per_char, write_extended
 from stages._common import run
 
 
@@ -20,16 +20,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         training, heldout = held_out(training, cfg.data.heldout_fraction)
     with atomic_path(args.out) as tmp:
         if t.extend:
-            texts, budget = [], t.max_train_chars
-            for text in training:
-                if budget <= 0:
-                    break
-                texts.append(text[:budget])
-                budget -= len(text)
             added = write_extended(
                 args.base,
                 tmp,
-                texts,
+                first_chars(training, t.max_train_chars),
                 vocab_size=t.vocab_size,
                 model_type=t.model_type,
                 character_coverage=t.character_coverage,

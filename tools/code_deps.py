@@ -1,5 +1,6 @@
-"""Which of our modules each DVC stage runs: the import closure of its entry point (imports anywhere in a module,
-and modules started by name, such as `--module stages._train_rank`), against the code deps `dvc.yaml` lists.
+"""Which of our files each DVC stage runs: the import closure of its entry point (imports anywhere in a module, and
+modules started by name, such as the train stage's `pipeline.training.rank`), with the C++ sources those modules
+compile (a `NAME.cpp` they name, found in their package), against the code deps `dvc.yaml` lists.
 
     python -m tools.code_deps        # prints, per stage, what dvc.yaml misses or lists in excess (exit 1 if any)
 """
@@ -18,12 +19,13 @@ PACKAGES = ("pipeline", "stages", "tools")
 # Modules a stage imports that cannot change its outputs, so that editing them re-runs nothing.
 NOT_DEPENDENCIES = {
     "stages/_common.py": "the stages' harness: argument parsing, the MLflow run, turning bad input into an exit",
-    "pipeline/tracking.py": "logging to MLflow",
-    "pipeline/tensorboard.py": "logging the training curve for TensorBoard",
-    "pipeline/errors.py": "printing bad input as one line and exiting",
-    "pipeline/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
-    "pipeline/processes.py": "PATH and a free port for child processes",
-    "pipeline/quiet.py": "silencing third-party warnings and progress bars",
+    "pipeline/tracking/mlflow_run.py": "logging to MLflow",
+    "pipeline/tracking/execution.py": "which MLflow run a process logs to",
+    "pipeline/tracking/tensorboard.py": "logging the training curve for TensorBoard",
+    "pipeline/core/errors.py": "printing bad input as one line and exiting",
+    "pipeline/core/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
+    "pipeline/core/environment.py": "PATH and a free port for child processes",
+    "pipeline/core/quiet.py": "silencing third-party warnings and progress bars",
 }
 
 
@@ -51,9 +53,25 @@ def _referenced(path: Path, known: dict[str, Path]) -> set[str]:
     return {name for name in names if name in known}
 
 
+def holds_code(path: Path) -> bool:
+    """Whether a module holds more than a docstring (package front pages do not)."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    return not all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
+
+
+def sources(path: Path) -> set[Path]:
+    """The C++ files a module names (`"kernels.cpp"`), found in its package's folder."""
+    named = {
+        node.value
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.endswith(".cpp")
+    }
+    return {found for name in named for found in path.parent.rglob(name)}
+
+
 def closure(entry: str, root: Path = REPO) -> set[Path]:
-    """Files of the modules `entry` runs, itself included; package __init__ files are left out (docstrings only),
-    and what a module of NOT_DEPENDENCIES imports is not followed."""
+    """Files `entry` runs, itself included: its modules (package __init__ files only where they hold code) and the
+    C++ they compile; what a module of NOT_DEPENDENCIES imports is not followed."""
     known = modules(root)
     seen, todo = set(), [entry]
     while todo:
@@ -63,7 +81,8 @@ def closure(entry: str, root: Path = REPO) -> set[Path]:
         seen.add(name)
         if str(known[name].relative_to(root)) not in NOT_DEPENDENCIES:
             todo.extend(_referenced(known[name], known))
-    return {known[name].relative_to(root) for name in seen if known[name].name != "__init__.py"}
+    files = {known[name] for name in seen if known[name].name != "__init__.py" or holds_code(known[name])}
+    return {path.relative_to(root) for path in files | {s for f in files for s in sources(f)}}
 
 
 def _stages(root: Path) -> dict[str, dict]:
@@ -81,7 +100,7 @@ def listed(root: Path = REPO) -> dict[str, set[Path]]:
     """{stage: the .py files of ours among its deps in dvc.yaml}."""
     stages = _stages(root)
     return {
-        name: {Path(d) for d in stage.get("deps", []) if d.endswith(".py") and d.split("/")[0] in PACKAGES}
+        name: {Path(d) for d in stage.get("deps", []) if d.endswith((".py", ".cpp")) and d.split("/")[0] in PACKAGES}
         for name, stage in stages.items()
     }
 

@@ -44,7 +44,7 @@ def key_comments(path: Path) -> dict[str, str]:
 
 def render(root: Path = REPO) -> str:
     """The Markdown page."""
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     defaults = yaml.safe_load((root / "conf/config.yaml").read_text(encoding="utf-8"))["defaults"]
     chosen = {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items() if v is not None}
@@ -78,7 +78,7 @@ def render(root: Path = REPO) -> str:
 
 def missing_comments(root: Path = REPO) -> list[str]:
     """Keys of the default choices that have no comment to explain them."""
-    from pipeline.config import compose
+    from pipeline.core.config import compose
 
     defaults = yaml.safe_load((root / "conf/config.yaml").read_text(encoding="utf-8"))["defaults"]
     chosen = {k: v for entry in defaults if isinstance(entry, dict) for k, v in entry.items() if v is not None}

@@ -16,7 +16,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-from pipeline.processes import with_venv_path
+from pipeline.core.environment import with_venv_path
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / ".venv" / "dvc_plots_template.html"

@@ -13,10 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.atomic import read_json
-from pipeline.processes import with_venv_path
-from pipeline.report import evaluation_table, merge_proof, training_summary
-from pipeline.tracking import flatten
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import with_venv_path
+from pipeline.evaluation.report import evaluation_table, merge_proof, training_summary
+from pipeline.tracking.mlflow_run import flatten
 from tools.paths import dvc_paths
 
 KEY_FIGURES = {  # column title: dotted path in the metrics files dvc exp show reports
@@ -90,7 +90,7 @@ def _shown(value) -> str:  # a figure from dvc exp show
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.errors import guarded
+    from pipeline.core.errors import guarded
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", nargs="+", metavar="EXP", help="DVC experiments to compare (dvc exp show)")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.atomic import read_json
-from pipeline.processes import with_venv_path
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import with_venv_path
 
 REPO = Path(__file__).resolve().parents[1]
 GIT = ["git", "-c", "user.name=pipeline", "-c", "user.email=pipeline@localhost", "-c", "commit.gpgsign=false"]
@@ -60,7 +60,7 @@ def copy_project(dst: Path, source: Path = REPO) -> Path:
 
 def run_pipeline(root: Path, overrides: list[str]) -> None:
     """Compose params.yaml with `overrides` (as `dvc exp run -S` would) and run every stage with `dvc repro`."""
-    sh([sys.executable, "-m", "pipeline.config", *overrides], root)
+    sh([sys.executable, "-m", "pipeline.core.config", *overrides], root)
     sh(["dvc", "repro"], root)
 
 
@@ -118,9 +118,9 @@ def check(workdir: Path, overrides: list[str]) -> tuple[list[str], list[str]]:
 
 def tiny_model(workdir: Path) -> Path:
     """The tiny random LLaMA (SmolLM2's tokenizer) the default check trains."""
-    from pipeline.assets import resolve
-    from pipeline.base_model import write_tiny_llama
-    from pipeline.tokenizer import load_tokenizer
+    from pipeline.core.assets import resolve
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.model.base_import import write_tiny_llama
 
     gguf = resolve(yaml.safe_load((REPO / "conf/model/smollm2_135m.yaml").read_text(encoding="utf-8"))["path"])
     load_tokenizer(gguf.parent, gguf_file=gguf.name).save_pretrained(str(workdir / "tokenizer"))

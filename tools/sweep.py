@@ -22,11 +22,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.atomic import atomic_path, read_json, write_json
-from pipeline.config import validate
-from pipeline.processes import with_venv_path
-from pipeline.tracking import Tracker, open_run
-from stages._common import EXECUTION_ENV, PARENT_RUN_ENV
+from pipeline.core.atomic import atomic_path, read_json, write_json
+from pipeline.core.config import validate
+from pipeline.core.environment import with_venv_path
+from pipeline.tracking.execution import EXECUTION_ENV, PARENT_RUN_ENV
+from pipeline.tracking.mlflow_run import Tracker, open_run
 from tools.paths import dvc_paths
 
 PATHS = dvc_paths()

@@ -1,4 +1,5 @@
-"""Checkpoints, one module a concern:
+"""Checkpoints of any ZeRO stage, world size and tool, read without DeepSpeed; one module a concern (imports core
+and data only):
 
 - `folder`: a training run's checkpoint folder (tags, `latest`, trainer state, identity, pruning, RNG, saving).
 - `locate`: what a user points consolidate/convert at (ours, a DeepSpeed save_dir, HF Trainer folders, a tag) ->
@@ -8,7 +9,6 @@
   BF16_Optimizer); `zero0_masters`: those ZeRO-0 keeps whole in the model-state file (fused, unfused, plain).
 - `mapped`: torch.save files read memory-mapped, pages handed back once copied.
 - `universal`: DeepSpeed's universal layout, written from the shards and loaded into an engine of any layout.
-- `zero_writer`: a universal checkpoint -> the ZeRO layout of N ranks (the ranks build and save an engine).
 - `adapter`: the PEFT adapter format (file names, config, tensor names, other trainers' variants read into it).
 - `consolidate`: a ZeRO tag -> a PEFT adapter folder, verified.
 - `safetensors_stream`: safetensors files read and written one tensor at a time; `model_files`: an HF model

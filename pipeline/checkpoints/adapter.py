@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pipeline.atomic import read_json
 from pipeline.checkpoints.model_files import FileTensor, tensors_of
+from pipeline.core.atomic import read_json
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -82,6 +82,24 @@ def describe_variant(variant: dict) -> str:
     if kind != "none":
         text += f" on an {kind} base" + (f" ({variant['compute_dtype']} compute)" if kind == "nf4" else "")
     return text
+
+
+def variant_tags(adapter_dir: Path) -> dict[str, str]:
+    """What produced the adapter, from its variant.json (else its config), as run tags: `variant` in words, and
+    `variant.dora`, `variant.lr_ratio`, `variant.quantization` (compute dtype with nf4) to filter runs by; none
+    without an adapter."""
+    if not (adapter_dir / CONFIG).is_file():
+        return {}
+    variant = read_variant(adapter_dir)
+    tags = {
+        "variant": describe_variant(variant),
+        "variant.dora": str(bool(variant.get("use_dora"))).lower(),
+        "variant.lr_ratio": "unknown" if variant.get("quantization") is None else str(variant.get("lr_ratio")),
+        "variant.quantization": variant.get("quantization") or "unknown",
+    }
+    if variant.get("compute_dtype"):
+        tags["variant.compute_dtype"] = variant["compute_dtype"]
+    return tags
 
 
 def canonical_names(tensors: dict[str, FileTensor], where: Path) -> dict[str, FileTensor]:

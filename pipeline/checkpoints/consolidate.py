@@ -11,13 +11,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline.atomic import atomic_path
 from pipeline.checkpoints import adapter, safetensors_stream
 from pipeline.checkpoints.folder import STATE
 from pipeline.checkpoints.locate import Located, locate
 from pipeline.checkpoints.zero_shards import master_weights
-from pipeline.precision import DTYPES
-from pipeline.tokenizer import FILES as TOKENIZER_FILES
+from pipeline.core.atomic import atomic_path
+from pipeline.core.precision import DTYPES
+from pipeline.data.tokenizer import FILES as TOKENIZER_FILES
 
 MANIFEST = "consolidate_manifest.json"
 DEEPSPEED_CHAT_LORA = ("lora_right_weight", "lora_left_weight")  # its LinearLayer_LoRA: A^T and B^T

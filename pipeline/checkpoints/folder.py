@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.atomic import atomic_path, read_json
 from pipeline.checkpoints.universal import universal_path
-from pipeline.tokenizer import FILES as TOKENIZER_FILES
+from pipeline.core.atomic import atomic_path, read_json
+from pipeline.data.tokenizer import FILES as TOKENIZER_FILES
 
 LATEST = "latest"
 STATE = "trainer_state.json"

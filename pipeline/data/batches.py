@@ -1,0 +1,48 @@
+"""Rows of a cached dataset as the model trains on them: padded batches, packed sequences, next-token targets."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.data.dataset import IGNORE_INDEX
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The next-token target of each position (IGNORE_INDEX at the last)."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def collate(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad variable-length rows into one batch (transformers' usual form). No attention mask: with right
+    padding a causal model never lets a real token see a pad, and without a mask SDPA takes its causal kernel
+    instead of materialising the mask (less memory, faster)."""
+    width = max(len(r["input_ids"]) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[i, :n] = torch.as_tensor(row["input_ids"])
+        labels[i, :n] = torch.as_tensor(row["labels"])
+    return {"input_ids": ids, "labels": labels}
+
+
+def pack(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """The micro-batch as the model trains on it: rows of one length (packed text blocks) as they are; rows of
+    several lengths (SFT) end to end in one sequence without padding, positions restarting at each row (from
+    which transformers builds a block-diagonal causal mask: no row sees another) and each row's next-token
+    targets (its last position predicts nothing). The same loss over the same targets as `collate`'s padded
+    batch, without computing the pads (tests/test_fused_loss.py). Needs the model's `use_cache` off (as
+    pipeline.model.lora loads it): transformers detects packed rows only without a cache."""
+    if len({len(r["input_ids"]) for r in rows}) == 1:
+        return collate(rows, pad_id)
+    ids = torch.cat([torch.as_tensor(r["input_ids"], dtype=torch.long) for r in rows])[None]
+    positions = torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]
+    targets = torch.cat([shifted(torch.as_tensor(r["labels"], dtype=torch.long)[None])[0] for r in rows])[None]
+    # labels too: transformers' forward computes a loss only when given labels, and then takes shift_labels
+    return {"input_ids": ids, "position_ids": positions, "labels": targets, "shift_labels": targets}
+
+
+def target_count(batch: dict[str, torch.Tensor]) -> int:
+    """The positions of `batch` (collate's or pack's) that have a next-token target."""
+    targets = batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
+    return int((targets != IGNORE_INDEX).sum())

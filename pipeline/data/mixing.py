@@ -1,0 +1,165 @@
+"""Weighted mixing of several training files (`data.sources`): each source gives its weight's share of the mixed
+tokens. The mix is the largest one that repeats nothing: its size is set by the source with the least text for its
+weight, and the others contribute documents (or examples) drawn by a seeded shuffle until their quota is reached;
+the chosen items are then shuffled together, so that packed blocks and batches hold every source."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.data.dataset import (
+    REQUIRED_FIELDS,
+    build_pretraining,
+    build_sft,
+    encode,
+    split_instruction,
+)
+from pipeline.data.textio import read_documents, read_jsonl
+
+
+@dataclass(frozen=True)
+class Source:
+    """One file of the mix; `name` (the file's stem, numbered when two share it) keys its figures."""
+
+    name: str
+    file: Path
+    format: str
+    weight: float
+
+
+def resolve(entries: list) -> list[Source]:
+    """Sources from the config's {file, format, weight} entries, with unique names."""
+    stems = [Path(e.file).stem for e in entries]
+    return [
+        Source(stem if stems.count(stem) == 1 else f"{stem}_{i}", Path(e.file), e.format, float(e.weight))
+        for i, (stem, e) in enumerate(zip(stems, entries, strict=True))
+    ]
+
+
+def read_source(source: Source, key: str) -> list:
+    """A source's documents (text) or rows (alpaca, chat), refused with the file and line when the file does not
+    hold its format."""
+    if not source.file.is_file():
+        raise FileNotFoundError(f"{key}.file: {source.file} not found")
+    if source.format != "text":
+        return read_jsonl(source.file, REQUIRED_FIELDS[source.format])
+    documents = read_documents(source.file)
+    lines = source.file.read_text(encoding="utf-8").splitlines()
+    number = next(n for n, line in enumerate(lines, start=1) if line.strip())
+    try:
+        is_object = isinstance(json.loads(lines[number - 1]), dict)
+    except json.JSONDecodeError:
+        is_object = False
+    if is_object:
+        raise ValueError(
+            f"{source.file}:{number}: a JSON object in a text source; expected plain text (one document per line), "
+            f"or {key}.format alpaca/chat"
+        )
+    return documents
+
+
+def planned_shares(sources: list[Source]) -> np.ndarray:
+    weights = np.array([s.weight for s in sources], dtype=np.float64)
+    return weights / weights.sum()
+
+
+def choose(lengths: list[np.ndarray], shares: np.ndarray, seed: int) -> list[tuple[int, int]]:
+    """(source, item) pairs of the mix in their mixed order. Source i brings `shares[i]` x budget tokens, budget =
+    min_i(tokens_i / shares[i]); it takes the items of a seeded permutation until its quota is reached."""
+    rng = np.random.default_rng(seed)
+    budget = min(float(length.sum()) / share for length, share in zip(lengths, shares, strict=True))
+    picked: list[tuple[int, int]] = []
+    for i, (length, share) in enumerate(zip(lengths, shares, strict=True)):
+        order = rng.permutation(len(length))
+        reached = np.cumsum(length[order]) >= share * budget * (1 - 1e-12)
+        count = int(np.argmax(reached)) + 1 if reached.any() else len(length)
+        picked += [(i, int(j)) for j in order[:count]]
+    return [picked[k] for k in rng.permutation(len(picked))]
+
+
+def report(sources: list[Source], shares: np.ndarray, train_tokens: list[int], items: list[int]) -> dict:
+    """Per source: its weight, its planned share of tokens, the share its tokens have in the train split, and how
+    many tokens and items (documents, examples) it gave."""
+    total = max(sum(train_tokens), 1)
+    return {
+        s.name: {
+            "file": str(s.file),
+            "weight": s.weight,
+            "planned_share": round(float(share), 6),
+            "realised_share": round(tokens / total, 6),
+            "train_tokens": int(tokens),
+            "items": int(n),
+        }
+        for s, share, tokens, n in zip(sources, shares, train_tokens, items, strict=True)
+    }
+
+
+def mix_text(
+    tokenizer,
+    sources: list[Source],
+    documents: list[list[str]],
+    *,
+    block_size: int,
+    tail: str,
+    validation_fraction: float,
+    seed: int,
+) -> tuple[dict[str, pa.Table], dict]:
+    """Pack the mix of text sources into train/validation blocks; statistics with `sources`."""
+    eos = 1 if tokenizer.eos_token_id is not None else 0
+    lengths = [np.array([len(ids) + eos for ids in encode(tokenizer, d, add_special_tokens=True)]) for d in documents]
+    shares = planned_shares(sources)
+    mix = choose(lengths, shares, seed)
+    per_token = np.repeat(np.array([i for i, _ in mix], dtype=np.int64), [lengths[i][j] for i, j in mix])
+    tables, stats = build_pretraining(
+        tokenizer,
+        [documents[i][j] for i, j in mix],
+        block_size=block_size,
+        tail=tail,
+        seed=seed,
+        validation_fraction=validation_fraction,
+        token_sources=(per_token, len(sources)),
+    )
+    items = np.bincount([i for i, _ in mix], minlength=len(sources)).tolist()
+    stats["sources"] = report(sources, shares, stats.pop("source_tokens"), items)
+    return tables, stats
+
+
+def mix_instruction(
+    tokenizer,
+    sources: list[Source],
+    rows: list[list[dict]],
+    *,
+    template: str,
+    max_seq_len: int,
+    validation_fraction: float,
+    seed: int,
+) -> tuple[dict[str, pa.Table], dict]:
+    """Tokenize each instruction source (prompts masked), mix the examples by tokens and split them into
+    train/validation; statistics with `sources`."""
+    built = [build_sft(tokenizer, r, template=template, max_seq_len=max_seq_len) for r in rows]
+    for source, (inputs, _, _) in zip(sources, built, strict=True):
+        if not inputs:
+            raise ValueError(
+                f"data.max_seq_len: every example of {source.file} lost its response to truncation at {max_seq_len}"
+            )
+    shares = planned_shares(sources)
+    mix = choose([np.array([len(ids) for ids in b[0]]) for b in built], shares, seed)
+    stats = {key: sum(b[2][key] for b in built) for key in ("examples", "truncated_examples", "dropped_examples")} | {
+        "documents": sum(map(len, rows))
+    }
+    tables, stats = split_instruction(
+        [built[i][0][j] for i, j in mix],
+        [built[i][1][j] for i, j in mix],
+        stats,
+        seed=seed,
+        validation_fraction=validation_fraction,
+        example_sources=([i for i, _ in mix], len(sources)),
+    )
+    items = np.bincount([i for i, _ in mix], minlength=len(sources)).tolist()
+    stats["sources"] = report(sources, shares, stats.pop("source_tokens"), items)
+    return tables, stats

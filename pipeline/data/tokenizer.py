@@ -1,0 +1,220 @@
+"""Tokenizer loading, training and Chinese-LLaMA-style vocabulary extension (SentencePiece and byte-level BPE)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from pipeline.core.atomic import read_json
+
+SP_MODEL = "tokenizer.model"
+HF_TOKENIZER = "tokenizer.json"
+META = "pipeline_tokenizer.json"
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)  # what travels with checkpoints and adapters
+BPE_FILES = ("vocab.json", "merges.txt")  # GPT-2-style tokenizers saved without tokenizer.json
+
+
+def find_tokenizer(folders: list[Path | None]) -> Path | None:
+    """The first of `folders` that holds tokenizer files (None entries skipped), else None."""
+    markers = (HF_TOKENIZER, SP_MODEL, "tokenizer_config.json", BPE_FILES[0])
+    return next((Path(f) for f in folders if f is not None and any((Path(f) / m).is_file() for m in markers)), None)
+
+
+def load_tokenizer(path: Path, gguf_file: str | None = None):
+    """Load an HF tokenizer and refuse one that loads empty (transformers 5 can build those silently)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: tokenizer folder not found")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: cannot load a tokenizer ({err})") from None
+    if len(tokenizer) == 0 or not tokenizer("a b", add_special_tokens=False).input_ids:
+        raise ValueError(
+            f"{path}: tokenizer loads empty ({len(tokenizer)} entries); expected {HF_TOKENIZER} or "
+            f"{SP_MODEL} with tokenizer_config.json"
+        )
+    return tokenizer
+
+
+def vocabulary_size(folder: Path) -> int:
+    """len(tokenizer) without loading it: the highest id in tokenizer.json (vocabulary and added tokens) + 1;
+    folders with only a SentencePiece model are loaded."""
+    path = Path(folder) / HF_TOKENIZER
+    if not path.is_file():
+        return len(load_tokenizer(folder))
+    data = read_json(path)
+    vocab = data["model"]["vocab"]
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]
+    return max([*ids, *(t["id"] for t in data.get("added_tokens", []))]) + 1
+
+
+def save_tokenizer(tokenizer, dst: Path, source: Path) -> None:
+    """save_pretrained, keeping the SentencePiece model beside it when the source has one."""
+    tokenizer.save_pretrained(str(dst))
+    if source.is_dir() and (source / SP_MODEL).is_file():
+        shutil.copy2(source / SP_MODEL, dst / SP_MODEL)
+
+
+def tokens_per_char(tokenizer, texts: list[str]) -> float:
+    """Tokens (no special tokens) per character over `texts`: the tokenizer's fertility."""
+    chars = sum(len(t) for t in texts)
+    if chars == 0:
+        raise ValueError("tokens_per_char: no text to measure")
+    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    return sum(len(e.ids) for e in encodings) / chars
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def first_chars(texts: list[str], max_chars: int) -> list[str]:
+    """The leading texts, `max_chars` characters in all (the last one cut short): what a vocabulary is learned on."""
+    kept, budget = [], max_chars
+    for text in texts:
+        if budget <= 0:
+            break
+        kept.append(text[:budget])
+        budget -= len(text)
+    return kept
+
+
+def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, model_type: str, character_coverage: float) -> bytes:
+    """Train a SentencePiece model in memory; returns the serialized ModelProto."""
+    import sentencepiece as spm
+
+    out = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts),
+            model_writer=out,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            normalization_rule_name="identity",
+            max_sentence_length=1 << 16,
+            split_digits=True,
+            hard_vocab_limit=False,
+            num_threads=2,
+            minloglevel=2,
+        )
+    except RuntimeError as err:
+        raise ValueError(
+            f"tokenizer.vocab_size / tokenizer.character_coverage: SentencePiece refused them: {err}"
+        ) from None
+    return out.getvalue()
+
+
+def sentencepiece_type(model: bytes) -> str:
+    """'bpe', 'unigram', 'word' or 'char': the algorithm of a serialized SentencePiece model."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    proto = sp_pb2.ModelProto()
+    proto.ParseFromString(model)
+    return sp_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+
+
+def extend_sentencepiece(base: bytes, learned: bytes) -> tuple[bytes, int]:
+    """Append the learned model's normal pieces the base lacks, scored below every base piece (ids unchanged)."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+
+    base_proto, new_proto = sp_pb2.ModelProto(), sp_pb2.ModelProto()
+    base_proto.ParseFromString(base)
+    new_proto.ParseFromString(learned)
+    known = {p.piece for p in base_proto.pieces}
+    lowest = min(p.score for p in base_proto.pieces)
+    added = 0
+    for piece in new_proto.pieces:
+        if piece.type != sp_pb2.ModelProto.SentencePiece.NORMAL or piece.piece in known:
+            continue
+        added += 1
+        base_proto.pieces.add(piece=piece.piece, score=lowest - added, type=piece.type)
+        known.add(piece.piece)
+    return base_proto.SerializeToString(), added
+
+
+def learn_byte_level_merges(base_json: dict, texts: Iterable[str], vocab_size: int) -> list[list[str]]:
+    """Train a BPE with the base's normalizer and byte-level pre-tokenizer; return its merges in order."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    work = Tokenizer.from_str(json.dumps(base_json))
+    work.model = models.BPE()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    work.train_from_iterator(texts, trainer)
+    return [list(m) if isinstance(m, list) else m.split(" ") for m in json.loads(work.to_str())["model"]["merges"]]
+
+
+def extend_byte_level(base_json: dict, merges: list[list[str]]) -> tuple[dict, int]:
+    """Append merges whose result the base lacks; BPE ranks them after every base merge, so ids never move."""
+    extended = json.loads(json.dumps(base_json))
+    vocab: dict[str, int] = extended["model"]["vocab"]
+    next_id = 1 + max([*vocab.values(), *(t["id"] for t in extended.get("added_tokens", []))])
+    added = 0
+    for left, right in merges:
+        token = left + right
+        if token in vocab or left not in vocab or right not in vocab:
+            continue
+        vocab[token] = next_id + added
+        extended["model"]["merges"].append([left, right])
+        added += 1
+    return extended, added
+
+
+def tokenizer_kind(folder: Path) -> str:
+    """'sentencepiece' or 'byte_level_bpe': the two layouts this module can extend."""
+    if (folder / SP_MODEL).is_file():
+        return "sentencepiece"
+    tokenizer_json = folder / HF_TOKENIZER
+    if tokenizer_json.is_file():
+        spec = read_json(tokenizer_json)
+        if spec["model"]["type"] == "BPE" and "ByteLevel" in json.dumps(spec.get("pre_tokenizer")):
+            return "byte_level_bpe"
+    raise ValueError(
+        f"{folder}: cannot extend this tokenizer; expected {SP_MODEL} (SentencePiece) or a byte-level BPE "
+        f"{HF_TOKENIZER}"
+    )
+
+
+def write_extended(
+    base_dir: Path, out_dir: Path, texts: list[str], *, vocab_size: int, model_type: str, character_coverage: float
+) -> int:
+    """Write the extended HF tokenizer folder into `out_dir` (which must not exist); return pieces added."""
+    kind = tokenizer_kind(base_dir)
+    out_dir.mkdir(parents=True)
+    for name in CONFIG_FILES:
+        if (base_dir / name).is_file():
+            shutil.copy2(base_dir / name, out_dir / name)
+    if kind == "sentencepiece":
+        base = (base_dir / SP_MODEL).read_bytes()
+        if sentencepiece_type(base) != model_type:
+            raise ValueError(
+                f"tokenizer.model_type: the base SentencePiece model is {sentencepiece_type(base)}; expected the "
+                f"same, got {model_type!r}"
+            )
+        learned = train_sentencepiece(
+            texts, vocab_size=vocab_size, model_type=model_type, character_coverage=character_coverage
+        )
+        merged, added = extend_sentencepiece(base, learned)
+        (out_dir / SP_MODEL).write_bytes(merged)
+        (out_dir / "learned_sentencepiece.model").write_bytes(learned)
+    else:
+        if model_type != "bpe":
+            raise ValueError(
+                f"tokenizer.model_type: a byte-level BPE base can only be extended with merges, expected 'bpe', "
+                f"got {model_type!r}"
+            )
+        base_json = read_json(base_dir / HF_TOKENIZER)
+        merges = learn_byte_level_merges(base_json, texts, vocab_size)
+        extended, added = extend_byte_level(base_json, merges)
+        (out_dir / HF_TOKENIZER).write_text(json.dumps(extended, ensure_ascii=False), encoding="utf-8")
+    # Round-trip through transformers so the folder holds what AutoTokenizer reads (tokenizer.json included).
+    load_tokenizer(out_dir).save_pretrained(str(out_dir))
+    return added

@@ -1,0 +1,9 @@
+"""What a model is worth:
+
+- `likelihood`: bits per byte and perplexity on held-out sets (comparable across tokenizers); loading a model,
+  base + adapter or merged, for inference.
+- `tasks`: task accuracy through lm-evaluation-harness.
+- `comparison`: the base, base + adapter and merged models side by side (sets, samples, tasks) and their tables.
+- `report`: the results as terminal tables, and the MLflow run's description.
+- `chat`: talking to a model (interactive, or one generation for scripts).
+"""

@@ -1,0 +1,180 @@
+"""The base, base + adapter and merged models side by side: figures on every set, greedy samples, task scores."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.core.atomic import atomic_path, read_json
+from pipeline.evaluation import tasks
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How every model is scored: the sets' prompt template and byte cap, the window, samples and task limit."""
+
+    template: str
+    max_bytes: int | None
+    context: int
+    stride: int
+    batch_size: int
+    prompts: list[str]
+    max_new_tokens: int
+    precision: str
+    task_limit: int | None
+
+
+def adapter_variant(adapter_dir: Path) -> dict[str, str]:
+    """What produced the adapter, as strings: `name` ("DoRA + LoRA+ x16 on an nf4 base (bf16 compute)") and the
+    base's `quantization` (none | nf4 | int8 | unknown for an adapter trained elsewhere)."""
+    from pipeline.checkpoints import adapter
+
+    variant = adapter.read_variant(adapter_dir)
+    return {"name": adapter.describe_variant(variant), "quantization": variant.get("quantization") or "unknown"}
+
+
+def proven(merged: Path) -> str | None:
+    """Why scoring base + adapter again is unnecessary: the merge proof that passed (None: it did not run)."""
+    report = merged / "merge_report.json"
+    gap = read_json(report).get("verification") if report.is_file() else None
+    if not gap or gap["max_abs_logit_diff"] > gap["limit_abs"] or gap["mean_kl"] > gap["limit_kl"]:
+        return None
+    return f"merged (the merge proof passed: max |logit diff| {gap['max_abs_logit_diff']:.2g})"
+
+
+def score_model(
+    *,
+    name: str,
+    folder: Path,
+    adapter: Path | None,
+    tokenizer_dir: Path,
+    sets: dict[str, Path],
+    specs: list[tasks.TaskSpec],
+    scoring: Scoring,
+) -> tuple[dict[str, dict], list[str], dict[str, dict]]:
+    """One model's figures on every set, its greedy samples and its task scores."""
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.evaluation import likelihood as ev
+
+    s = scoring
+    tokenizer = load_tokenizer(tokenizer_dir)
+    examples = {
+        set_name: ev.load_examples(
+            tokenizer, path, template=s.template, max_bytes=s.max_bytes, context=s.context, key=f"eval.sets.{set_name}"
+        )
+        for set_name, path in sets.items()
+    }
+    model = ev.load_model(folder, adapter, precision=s.precision)
+    ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
+    figures = {}
+    for set_name, scored_examples in examples.items():
+        scored = ev.score(
+            model,
+            scored_examples,
+            context=s.context,
+            stride=s.stride,
+            batch_size=s.batch_size,
+            desc=f"{name}/{set_name}",
+        )
+        figures[set_name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
+    samples = ev.greedy_samples(model, tokenizer, prompts=s.prompts, max_new_tokens=s.max_new_tokens)
+    return figures, samples, tasks.run_tasks(model, tokenizer, specs, batch_size=s.batch_size, limit=s.task_limit)
+
+
+def compare(
+    *,
+    base: Path,
+    base_tokenizer: Path,
+    adapter: Path,
+    merged: Path,
+    sets: dict[str, Path],
+    specs: list[tasks.TaskSpec],
+    scoring: Scoring,
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, list[str]]]:
+    """Figures per set and model, task scores per task and model, and greedy samples per model, for the base, base +
+    adapter and merged models; where the merge proof passed, base + adapter takes the merged model's (marked
+    `scored_as`) instead of being scored again."""
+    models = {
+        "base": (base, None, base_tokenizer),
+        "adapter": (base, adapter, adapter),
+        "merged": (merged, None, merged),
+    }
+    for name, (folder, adapter_dir, _) in models.items():
+        for path in (folder, adapter_dir):
+            if path is not None and not path.is_dir():
+                raise FileNotFoundError(f"{path}: missing model folder for '{name}'")
+    same_as_merged = proven(merged)
+    results: dict[str, dict] = {s: {} for s in sets}
+    task_results: dict[str, dict] = {spec.name: {} for spec in specs}
+    samples: dict[str, list[str]] = {}
+    for name, (folder, adapter_dir, tokenizer_dir) in models.items():
+        if name == "adapter" and same_as_merged:
+            continue
+        figures, samples[name], scores = score_model(
+            name=name,
+            folder=folder,
+            adapter=adapter_dir,
+            tokenizer_dir=tokenizer_dir,
+            sets=sets,
+            specs=specs,
+            scoring=scoring,
+        )
+        for set_name, values in figures.items():
+            results[set_name][name] = values
+        for task, values in scores.items():
+            task_results[task][name] = values
+    if same_as_merged:
+        samples["adapter"] = samples["merged"]
+        for by_model in results.values():
+            by_model["adapter"] = {**by_model["merged"], "scored_as": same_as_merged}
+        for by_model in task_results.values():
+            by_model["adapter"] = dict(by_model["merged"])  # the same model: the table above says so
+    return results, task_results, samples
+
+
+def write_tables(
+    *,
+    plot: Path,
+    task_plot: Path,
+    samples_file: Path,
+    prompts: list[str],
+    results: dict[str, dict],
+    task_results: dict[str, dict],
+    samples: dict[str, list[str]],
+    variant: str,
+) -> None:
+    """The bits-per-byte CSV (one bar per set and model), the task CSV and the greedy samples as Markdown."""
+    table = io.StringIO()
+    writer = csv.writer(table, lineterminator="\n")
+    writer.writerow(["bar", "set", "model", "bits_per_byte", "perplexity", "variant"])
+    for set_name, by_model in results.items():
+        for m, v in by_model.items():
+            writer.writerow(
+                [f"{set_name} / {m}", set_name, m, v["bits_per_byte"], v["perplexity"], "" if m == "base" else variant]
+            )
+    with atomic_path(plot) as tmp:
+        tmp.write_text(table.getvalue(), encoding="utf-8")
+    with atomic_path(task_plot) as tmp:
+        tmp.write_text("\n".join(tasks.table_rows(task_results)) + "\n", encoding="utf-8")
+    lines = ["# Greedy samples", ""]
+    for i, prompt in enumerate(prompts):
+        answers = [f"- **{m}**: {json.dumps(texts[i], ensure_ascii=False)}" for m, texts in samples.items()]
+        lines += [f"## {prompt}", "", *answers, ""]
+    with atomic_path(samples_file) as tmp:
+        tmp.write_text("\n".join(lines), encoding="utf-8")
+
+
+def summary(results: dict[str, dict], task_results: dict[str, dict]) -> list[str]:
+    """The figures as terminal lines: set x model, then task x model x metric (± its standard error)."""
+    lines = [f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8}"]
+    for s, by in results.items():
+        for m, v in by.items():
+            note = "  (= merged: proof passed)" if "scored_as" in v else ""
+            lines.append(f"{s:<12} {m:<8} {v['bits_per_byte']:>10.4f} {v['perplexity']:>12.3f} {v['tokens']:>8}{note}")
+    for task, metric, model, value, stderr in tasks.scores(task_results):
+        error = "" if stderr is None else f" ± {stderr:.4f}"
+        lines.append(f"{task:<24} {model:<8} {metric:<22} {value:>7.4f}{error}")
+    return lines

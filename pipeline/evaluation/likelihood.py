@@ -1,0 +1,236 @@
+"""Token-weighted corpus likelihood with a sliding window, as perplexity and bits per byte, and greedy samples.
+
+Each document is scored from its first token, conditioned on a prefix token (BOS, else EOS), as
+lm-evaluation-harness's `loglikelihood_rolling` does; windows of `context` tokens advance by `stride`, so every
+token is scored exactly once with at least context - stride tokens of history (stride == context reproduces the
+harness's disjoint windows). Bits per byte = total NLL / (ln 2 x UTF-8 bytes): comparable across tokenizers."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoints import adapter
+from pipeline.data.dataset import IGNORE_INDEX, encode, sft_segments
+from pipeline.data.textio import read_documents, read_jsonl
+
+
+@dataclass(frozen=True)
+class Example:
+    """Token ids (prefix included) and which of them are scored; `nbytes` counts the scored text."""
+
+    ids: list[int]
+    scored: list[bool]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Score:
+    nll: float
+    tokens: int
+    nbytes: int
+
+    def as_dict(self) -> dict:
+        return {
+            "perplexity": math.exp(self.nll / self.tokens),
+            "bits_per_byte": self.nll / (math.log(2) * self.nbytes),
+            "tokens": self.tokens,
+            "bytes": self.nbytes,
+        }
+
+
+def prefix_token(tokenizer) -> int:
+    token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if token is None:
+        raise ValueError("tokenizer: neither a BOS nor an EOS token to condition the first scored token on")
+    return token
+
+
+def text_examples(tokenizer, path: Path, max_bytes: int | None) -> list[Example]:
+    """Whole documents (one per non-blank line) while they fit in `max_bytes` (at least one)."""
+    documents, total = [], 0
+    for doc in read_documents(path):
+        size = len(doc.encode("utf-8"))
+        if documents and max_bytes is not None and total + size > max_bytes:
+            break
+        documents.append(doc)
+        total += size
+    prefix = prefix_token(tokenizer)
+    return [
+        Example([prefix, *ids], [False] + [True] * len(ids), len(doc.encode("utf-8")))
+        for doc, ids in zip(documents, encode(tokenizer, documents, add_special_tokens=False), strict=True)
+    ]
+
+
+def sft_examples(tokenizer, path: Path, *, template: str, max_bytes: int | None) -> list[Example]:
+    """Instruction rows: only the response tokens are scored (and their bytes counted)."""
+    examples, total = [], 0
+    for row in read_jsonl(path, ()):
+        ids, scored, nbytes = [], [], 0
+        for text, trained in sft_segments(tokenizer, row, template):
+            piece = encode(tokenizer, [text], add_special_tokens=False)[0]
+            ids += piece
+            scored += [trained] * len(piece)
+            nbytes += len(text.encode("utf-8")) if trained else 0
+        if examples and max_bytes is not None and total + nbytes > max_bytes:
+            break
+        examples.append(Example(ids, scored, nbytes))
+        total += nbytes
+    return examples
+
+
+def windows(example: Example, context: int, stride: int) -> list[tuple[list[int], list[int]]]:
+    """(input ids, labels) per window, labels aligned with the logits (label i = the token logit i predicts,
+    -100 unless scored here). The first window predicts `context` tokens, each later one the next `stride`."""
+    ids, out, first, n = example.ids, [], 1, len(example.ids)
+    while first < n:
+        last = min(first + (context if first == 1 else stride), n)  # targets [first, last)
+        begin = max(0, last - 1 - context)
+        labels = [ids[j] if j >= first and example.scored[j] else IGNORE_INDEX for j in range(begin + 1, last)]
+        out.append((ids[begin : last - 1], labels))
+        first = last
+    return out
+
+
+LOGIT_BYTES = 1 << 26  # fp32 logits computed at a time when scoring (batch x positions x vocabulary x 4)
+# Config attributes of heads that do more than a linear map (their logits come from the model's own forward).
+HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """-log p of every position's label (0 where the label is -100), flattened in (row, position) order. The head
+    runs on `chunk` positions at a time (default: LOGIT_BYTES of fp32 logits), so that batch x window x vocabulary
+    logits never exist in fp32 at once."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = causal.get_output_embeddings()
+    if any(getattr(causal.config, name, None) for name in HEAD_EXTRAS) or head is None:
+        logits = model(input_ids=ids).logits.float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").reshape(-1)
+    hidden = causal.get_decoder()(input_ids=ids).last_hidden_state
+    chunk = chunk or max(1, LOGIT_BYTES // (4 * ids.shape[0] * head.weight.shape[0]))
+    parts = []
+    for start in range(0, ids.shape[1], chunk):
+        logits = head(hidden[:, start : start + chunk]).float().transpose(1, 2)
+        parts.append(torch.nn.functional.cross_entropy(logits, labels[:, start : start + chunk], reduction="none"))
+    return torch.cat(parts, dim=1).reshape(-1)
+
+
+def score(
+    model,
+    examples: list[Example],
+    *,
+    context: int,
+    stride: int,
+    batch_size: int,
+    desc: str | None = None,
+    chunk: int | None = None,
+) -> Score:
+    """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`)."""
+    from tqdm import tqdm
+
+    items = sorted((w for e in examples for w in windows(e, context, stride)), key=lambda w: -len(w[0]))
+    bar = tqdm(total=len(items), desc=desc, disable=desc is None, dynamic_ncols=True)
+    device = next(model.parameters()).device
+    nll, tokens = 0.0, 0
+    with torch.inference_mode():
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
+            width = len(batch[0][0])
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+            for i, (window_ids, window_labels) in enumerate(batch):
+                ids[i, : len(window_ids)] = torch.tensor(window_ids)
+                labels[i, : len(window_labels)] = torch.tensor(window_labels)
+            nll += float(token_nll(model, ids.to(device), labels.to(device), chunk).sum())
+            tokens += int((labels != IGNORE_INDEX).sum())
+            bar.update(len(batch))
+    bar.close()
+    return Score(nll, tokens, sum(e.nbytes for e in examples))
+
+
+def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int) -> list[str]:
+    device = next(model.parameters()).device
+    texts = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+            out = model.generate(
+                input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=prefix_token(tokenizer)
+            )
+            texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    return texts
+
+
+def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto"):
+    """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), in bf16
+    where the hardware computes it natively (`precision` auto; see pipeline/core/precision.py) else fp32, spread over
+    every visible GPU (accelerate's device_map="auto") where there are GPUs, else on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.core.precision import inference_dtype
+
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json; expected an HF model folder")
+    cuda = torch.cuda.is_available()
+    dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto" if cuda else None)
+    if adapter_dir is not None:
+        model = with_adapter(model, adapter_dir)
+    return model.eval()
+
+
+def with_adapter(model, adapter_dir: Path):
+    """`model` with the PEFT adapter of `adapter_dir` applied (its embeddings resized to the adapter's first). PEFT's
+    loader reads the adapter as it is when its names are the ones PEFT saves; otherwise (no `base_model.model.`
+    prefix, adapter names left in) from a copy under those names in a temporary folder."""
+    import shutil
+    import tempfile
+
+    from peft import PeftModel
+
+    from pipeline.checkpoints.safetensors_stream import write
+
+    if not (adapter_dir / adapter.CONFIG).is_file():
+        raise FileNotFoundError(f"{adapter_dir}: no {adapter.CONFIG}; expected a PEFT adapter folder")
+    tensors, as_saved = adapter.read_tensors(adapter_dir)
+    modules = {id(m): n for n, m in model.named_modules()}
+    embed = f"{adapter.PREFIX}{modules[id(model.get_input_embeddings())]}.weight"
+    if embed in tensors and tensors[embed].shape[0] != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(tensors[embed].shape[0], mean_resizing=False)
+    if as_saved:
+        return PeftModel.from_pretrained(model, str(adapter_dir))
+    with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
+        entries = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]
+        write(Path(tmp) / adapter.WEIGHTS, entries, lambda key: tensors[key].read().contiguous())
+        shutil.copy2(adapter_dir / adapter.CONFIG, Path(tmp) / adapter.CONFIG)
+        return PeftModel.from_pretrained(model, tmp)
+
+
+def check_vocabulary(tokenizer, model, where: str) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"{where}: the tokenizer has {len(tokenizer)} tokens but the model only {rows} embedding rows; "
+            "expected the tokenizer the model was trained with"
+        )
+
+
+def load_examples(
+    tokenizer, path: Path, *, template: str, max_bytes: int | None, context: int, key: str
+) -> list[Example]:
+    """A set's examples: JSONL rows as instruction data (responses scored), anything else as text lines."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        examples = sft_examples(tokenizer, path, template=template, max_bytes=max_bytes)
+    else:
+        examples = text_examples(tokenizer, path, max_bytes)
+    scored = sum(sum(e.scored) for e in examples)
+    if sum(len(e.ids) for e in examples) < context or scored == 0:
+        raise ValueError(
+            f"{key}: {path} gives {sum(len(e.ids) for e in examples)} tokens ({scored} scored), shorter than one "
+            f"window (eval.context = {context}); expected more text"
+        )
+    return examples

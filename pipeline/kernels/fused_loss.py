@@ -1,0 +1,143 @@
+"""The causal-LM loss without the full-vocabulary logits: the output head and the cross-entropy fused, a chunk of
+positions at a time, only at positions whose label counts, the gradient computed in the same pass.
+
+transformers computes `lm_head` on every position, upcasts the (tokens x vocabulary) logits to fp32, keeps them for
+the backward pass and runs log-softmax forward and backward over them: on a 128k vocabulary at 8k tokens that is
+4 GB held per micro-batch and several passes over it. Here each chunk's logits live only while its loss and its
+gradient (softmax - one-hot) are computed; the backward pass just scales what the forward pass kept (the gradient
+for the hidden states, and for a trained head its weight's). The loss is the same mean cross-entropy over the
+labelled positions, the same arithmetic in a different summation order (tests/test_fused_loss.py). On a CPU, in bf16
+or fp32, each row's softmax cross-entropy is one C++ pass (pipeline/kernels/cpp.py) that writes the gradient over
+the row's logits, where PyTorch's operators make seven passes over the chunk (upcast, max, subtract, exp, sum,
+divide, downcast)."""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from pipeline.data.batches import shifted
+from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.kernels import cpp as cpu_kernels
+from pipeline.kernels.linear import matmul_nt
+
+# Bytes of logits per chunk (in the head's dtype), by device. The chunk is memory the step holds on top of its
+# activations, and each chunk streams the whole head weight from memory twice (its two matmuls): on this CPU
+# (SmolLM2's 49k vocabulary, 512 positions, one core) the fused loss takes 695 / 624 ms in fp32 with 16 / 32 MB
+# chunks (85 / 170 rows), 379 / 320 ms in bf16 with 8 / 32 MB. A GPU needs a few hundred rows (Llama-3's 128k
+# vocabulary in bf16: 512 rows per 128 MB).
+CHUNK_BYTES = {"cpu": 2**25, "cuda": 2**27}
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ kernel's: fp16 logits are upcast by PyTorch's operators
+
+
+def softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's operators on any device: the summed cross-entropy of the rows of `logits` (upcast to fp32) against
+    `targets`, and softmax - one-hot (fp32; over `logits` when they already were)."""
+    logits = logits.float()
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)
+    peak = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(peak).exp_()  # in place: one pass for the loss and the gradient
+    sums = exp.sum(dim=-1, keepdim=True)
+    total = (peak.squeeze(1) + sums.log().squeeze(1) - target_logits).sum()
+    grad = exp.div_(sums)  # softmax
+    grad[torch.arange(len(targets), device=targets.device), targets] -= 1.0
+    return total, grad
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rows = max(1, CHUNK_BYTES.get(hidden.device.type, 2**26) // (vocab * weight.element_size()))
+        # fp16 would underflow before the loss scale multiplies it in backward; bf16 has fp32's range
+        kept = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
+        grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        compiled = cpu_kernels.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
+        for start in range(0, n, rows):
+            h, t = hidden[start : start + rows], targets[start : start + rows]
+            logits = matmul_nt(h, weight)  # as transformers: the head in the module's dtype, then (here per row) upcast
+            if compiled is not None:  # one pass over each row, the gradient written over its logits
+                total += compiled.cross_entropy_rows(logits, t, grad_hidden is not None).sum()
+                grad = logits
+            else:
+                loss, grad = softmax_cross_entropy(logits, t)
+                total += loss
+                grad = grad.to(weight.dtype)
+            if grad_hidden is None:
+                continue
+            grad_hidden[start : start + rows] = matmul_nt(grad, weight.T).div_(n)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = (grad_hidden * grad_output).to(ctx.dtypes[0])
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.dtypes[1])
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits `hidden @ weight.T` (rows x vocabulary, never materialised whole) against
+    `targets` (no ignored entries)."""
+    grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, grads)
+
+
+def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The causal LM's output head when the fused loss computes what transformers' forward does (a
+    bias-free Linear, frozen or trained in full; no logit scaling or soft-capping, no router loss), else None."""
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None or hasattr(config, "logit_scale"):
+        return None
+    if getattr(config, "output_router_logits", False):  # a router's auxiliary loss
+        return None
+    head = model.get_output_embeddings()
+    if hasattr(head, "modules_to_save"):  # PEFT's modules_to_save wrapper: the trained copy
+        active = head.active_adapters
+        usable = active and not head.disable_adapters and active[0] in head.modules_to_save
+        head = head.modules_to_save[active[0]] if usable else head.original_module
+    is_linear = type(head) is torch.nn.Linear and head.bias is None
+    return head if is_linear else None
+
+
+def fused_forward(
+    self, input_ids=None, labels=None, shift_labels=None, position_ids=None, attention_mask=None, **kwargs
+) -> CausalLMOutputWithPast:
+    """`forward` of a causal LM with the fused loss when labels are given (`shift_labels`: targets already shifted,
+    as packed rows need); without labels, transformers' own forward."""
+    if labels is None and shift_labels is None:
+        return type(self).forward(
+            self, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
+        )
+    out = self.get_decoder()(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
+    )
+    targets = shifted(labels) if shift_labels is None else shift_labels
+    keep = targets != IGNORE_INDEX
+    hidden = out.last_hidden_state[keep]
+    head = plain_head(self)
+    loss = linear_cross_entropy(hidden, head.weight, targets[keep])
+    return CausalLMOutputWithPast(loss=loss)
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Give the causal LM inside `model` (a PEFT model or the LM itself) the fused loss; False (unchanged) where
+    its head is not a plain Linear (see plain_head)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if plain_head(lm) is None or lm.get_decoder() is lm:  # no separate decoder to run before the head
+        return False
+    lm.forward = MethodType(fused_forward, lm)
+    return True

@@ -1,0 +1,88 @@
+"""A run's figures: per-rank values gathered, peak memory, model FLOPs utilisation, the run's summary and its
+per-step curve."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+from pipeline.core.atomic import atomic_path
+
+
+def per_rank(value: float, device) -> list[float]:
+    """`value` of every rank, in rank order (a collective)."""
+    import deepspeed.comm as dist
+
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(v) for v in every]
+
+
+def memory_peaks(device) -> dict[str, list[float]]:
+    """Each rank's peak resident host memory (MB) so far, and on a GPU its peak allocated GPU memory (a collective)."""
+    peaks = {"host": per_rank(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, device)}
+    if str(device).startswith("cuda"):
+        peaks["gpu"] = per_rank(torch.cuda.max_memory_allocated(device) / 2**20, device)
+    return peaks
+
+
+def with_earlier(peaks: dict[str, list[float]], earlier: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per-rank peaks over this segment and the earlier ones of the run (same world size), else this segment's."""
+    merged = {}
+    for kind, values in peaks.items():
+        before = earlier.get(kind, [])
+        same_world = len(before) == len(values)
+        merged[kind] = [max(a, b) for a, b in zip(values, before, strict=True)] if same_world else values
+    return merged
+
+
+def summary(history, steps: int, start: int, tokens: float, seconds: float, wall: float | None, peaks: dict) -> dict:
+    """The loop's figures from its `History` (None where unknown)."""
+    validation = history.validation[-1] if history.validation else {}
+    figures = {
+        "steps": steps,
+        "resumed_from_step": start,
+        "final_train_loss": history.train[-1]["loss"] if history.train else None,
+        "val_loss": validation.get("val_loss"),
+        "val_perplexity": validation.get("val_perplexity"),
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "train_seconds": seconds,
+        "wall_seconds": wall,
+        "peak_memory_mb": max(peaks["host"]) if "host" in peaks else None,
+        "peak_memory_mb_per_rank": peaks.get("host"),
+    }
+    if "gpu" in peaks:
+        figures.update(peak_gpu_memory_mb=max(peaks["gpu"]), peak_gpu_memory_mb_per_rank=peaks["gpu"])
+    return figures
+
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
+
+
+def mfu(*, tokens_per_s: float, n_params: int, model_config, seq_len: int, world: int, device) -> float | None:
+    """Model FLOPs utilisation on a GPU with the LoRA convention: 4N per token (forward, and backward through
+    frozen weights) plus attention, 12 x layers x hidden x sequence; None on the CPU or an unknown GPU."""
+    if not str(device).startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    if peak is None:
+        return None
+    flops_per_token = 4 * n_params + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
+    return round(tokens_per_s * flops_per_token / (peak * 1e12 * world), 4)
+
+
+def write_curve(path: Path, history: dict) -> None:
+    """One CSV row per step: loss and LR, validation figures where measured (a DVC plot)."""
+    validation = {v["step"]: v for v in history["validation"]}
+    lines = ["step,loss,lr,val_loss,val_perplexity"]
+    for row in history["train"]:
+        v = validation.get(row["step"], {})
+        lines.append(
+            f"{row['step']},{row['loss']:.6f},{row['lr']:.6g},{v.get('val_loss', '')},{v.get('val_perplexity', '')}"
+        )
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")

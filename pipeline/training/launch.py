@@ -1,0 +1,237 @@
+"""Starting this node's DeepSpeed ranks and ending them cleanly; clearing what killed or finished launches leave
+behind (op-build locks, shared memory); building the ops the ranks use, once per environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.core.environment import clear_stale_build_locks, extensions_dir, free_port, with_venv_path
+
+RANK_MODULE = "pipeline.training.rank"
+KEEP_BITSANDBYTES = "TRAIN_KEEP_BITSANDBYTES"  # "1": the ranks' base is quantized (they import it before the plan)
+
+
+def before_launch() -> None:
+    """What a DeepSpeed launch needs cleared first: stale op-build locks and finished launches' shared memory."""
+    clear_stale_build_locks()
+    remove_stale_shm_buffers()
+
+
+RELEASE_FD = "TRAIN_RELEASE_FD"  # the pipe a rank started ahead of its launch waits on
+
+
+class Ranks:
+    """This node's ranks, started as DeepSpeed's launcher starts them for one node (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_SIZE, MASTER_ADDR/PORT, --local_rank), each then waiting in `released()` until the stage releases them:
+    they import torch, DeepSpeed and transformers while the stage still checks the run (bench.train, bf16 text:
+    wall 18.3-18.7 -> 17.2-18.3 s). Skips the `deepspeed` runner and its `launch` module, two more interpreters
+    importing DeepSpeed one after the other (about 3 s per launch), and their 1 s polling."""
+
+    def __init__(self, command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int):
+        common = {**env, "WORLD_SIZE": str(ranks), "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+                  "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
+        self.children, self.pipes = [], []
+        for rank in range(ranks):
+            read, write = os.pipe()
+            self.children.append(
+                subprocess.Popen(
+                    [*command, f"--local_rank={rank}"],
+                    env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank), RELEASE_FD: str(read)},
+                    pass_fds=(read,),
+                )
+            )
+            os.close(read)
+            self.pipes.append(write)
+
+    def release(self, message: dict) -> None:
+        """Let every rank go on, with `message` (what it learns only now)."""
+        data = json.dumps(message).encode()
+        for pipe in self.pipes:
+            os.write(pipe, data)
+            os.close(pipe)
+        self.pipes = []
+
+    def cancel(self) -> None:
+        """End the ranks if they were never released (closing their pipe empty would also end them, once their
+        imports are done) or still run, and wait for them."""
+        for pipe in self.pipes:
+            os.close(pipe)
+        self.pipes = []
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+            child.wait()
+
+    def wait(self) -> int:
+        """Wait for the released ranks; the first failure ends the others. Their exit code (0: all succeeded)."""
+        import signal
+
+        children = list(self.children)
+
+        def stop(signum, _frame):
+            for child in children:
+                child.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = 0
+            while children:
+                for child in list(children):
+                    status = child.poll()
+                    if status is None:
+                        continue
+                    children.remove(child)
+                    if status != 0 and code == 0:
+                        code = status
+                        for other in children:
+                            other.terminate()
+                time.sleep(0.05)
+            return code
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def released() -> dict:
+    """In a rank started by `Ranks`: wait until the stage releases it and return its message; a stage that gives up
+    (its checks failed, or the run is already done) closes the pipe empty, and the rank exits. {} at once in a rank
+    started otherwise (the deepspeed launcher, on several nodes)."""
+    fd = os.environ.pop(RELEASE_FD, None)
+    if fd is None:
+        return {}
+    with os.fdopen(int(fd), "rb") as pipe:
+        data = pipe.read()
+    if not data:
+        sys.exit(0)
+    return json.loads(data)
+
+
+def leave_process_group() -> None:
+    """End a rank together with the others: one that exits while gloo's threads still run can abort ("terminate
+    called without an active exception", exit -6) after all its work is done, failing the launch."""
+    import deepspeed.comm as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def exit_rank() -> None:
+    """End a finished rank without the interpreter's teardown: every output is written and closed by then, and the
+    teardown is where C++ threads still alive (gloo's, bitsandbytes' CPU kernels under load) abort the process
+    ("terminate called without an active exception", exit -6), failing a launch whose work was all done (seen
+    once in a full test run, QLoRA on 2 CPU ranks, after leave_process_group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+SHM = Path("/dev/shm")
+
+
+def remove_stale_shm_buffers() -> list[Path]:
+    """Delete the shared-memory files DeepSpeed's CPU all-reduce left behind. Every rank of a CPU launch creates
+    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (about 69 MB, in RAM) and DeepSpeed never removes it:
+    a few dozen launches fill the machine's memory. A file is stale when its launch is over, that is when nothing
+    listens on its rendezvous port here any more."""
+    removed = []
+    for path in SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        *_, addr, port, _rank = path.name.split("_")
+        if addr in ("127.0.0.1", "localhost", socket.gethostname()) and port.isdigit() and _port_free(int(port)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def build_ops() -> None:
+    """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
+    and our own CPU kernels and allocator (pipeline/kernels/cpp.py), so that no stage pays for it or can be killed in
+    the middle of it (`make setup` runs this)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
+    clear_stale_build_locks()
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+
+    for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
+        builder.load(verbose=False)
+    from pipeline.kernels import allocator as cpu_allocator
+    from pipeline.kernels import cpp as cpu_kernels
+
+    cpu_kernels.load()
+    cpu_kernels.build(cpu_allocator.SOURCE)
+
+
+if __name__ == "__main__":
+    build_ops()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Nodes:
+    """Where this node's ranks meet the others (the `launcher` config group)."""
+
+    num_nodes: int
+    node_rank: int
+    hostfile: str | None
+    master_addr: str
+    master_port: int | None  # None: a free port, on one node
+
+
+def rank_environment(*, accelerator: str, ranks_per_node: int, kernels: str, keep_bitsandbytes: bool) -> dict:
+    """The ranks' environment: the venv first on PATH, the accelerator, one thread per core and rank on a CPU (all
+    cores per rank oversubscribes them), and the variables the speed paths need from the process's start."""
+    from pipeline import kernels as speed
+
+    env = {**with_venv_path(), "DS_ACCELERATOR": accelerator}
+    if accelerator == "cpu":
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks_per_node)))
+    for name, value in speed.environment(device=accelerator, enabled=kernels).items():
+        env.setdefault(name, value)
+    if keep_bitsandbytes:
+        env[KEEP_BITSANDBYTES] = "1"
+    return env
+
+
+def start_ranks(*, nodes: Nodes, ranks: int, plan: Path, env: dict[str, str]) -> Ranks | None:
+    """On one node, its ranks started now: they import while the stage checks the run, and wait for `run_ranks` to
+    release them. None on several nodes (the deepspeed launcher starts them in `run_ranks`)."""
+    if nodes.num_nodes != 1:
+        return None
+    before_launch()
+    command = [sys.executable, "-m", RANK_MODULE, "--plan", str(plan)]
+    return Ranks(
+        command, ranks=ranks, env=env, master_addr=nodes.master_addr, master_port=nodes.master_port or free_port()
+    )
+
+
+def run_ranks(started: Ranks | None, *, nodes: Nodes, ranks: int, plan: Path, env: dict[str, str]) -> int:
+    """Release this node's ranks (or start them through the deepspeed launcher on several nodes), wait for them,
+    and clear what they leave; their exit code."""
+    if started is not None:
+        started.release({})
+        code = started.wait()
+    else:
+        before_launch()
+        command = [
+            "deepspeed", "--log_level", "warning", "--num_gpus", str(ranks), "--num_nodes", str(nodes.num_nodes),
+            "--master_addr", nodes.master_addr, "--master_port", str(nodes.master_port or free_port()),
+            "--hostfile", str(nodes.hostfile), "--no_ssh", "--node_rank", str(nodes.node_rank),
+            "--module", RANK_MODULE, "--plan", str(plan),
+        ]  # fmt: skip
+        code = subprocess.run(command, env=env).returncode
+    remove_stale_shm_buffers()
+    return code

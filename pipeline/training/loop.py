@@ -1,0 +1,168 @@
+"""The DeepSpeed training loop of one rank: resume, step, validate, checkpoint, report."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline.checkpoints import folder
+from pipeline.checkpoints.universal import link_optimizer_state
+from pipeline.checkpoints.zero_shards import MOMENTS
+from pipeline.data.batches import pack, target_count
+from pipeline.training import figures
+from pipeline.training.schedule import Schedule, global_batch, micro_batch
+
+
+@dataclass
+class History:
+    """Per-step records, carried inside checkpoints so that curves survive a resume."""
+
+    train: list[dict] = field(default_factory=list)
+    validation: list[dict] = field(default_factory=list)
+
+
+def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _all_reduce_sum(values: list[float], device) -> list[float]:
+    import deepspeed.comm as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def validate(engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int) -> tuple[float, int]:
+    """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
+    n = len(rows)
+    per_rank = math.ceil(n / world_size)
+    loss_sum, tokens = 0.0, 0
+    engine.eval()
+    with torch.no_grad():
+        for start in range(0, per_rank, micro):
+            indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
+            real = [i for i in indices if i < n]
+            batch = _to(pack([rows[i] for i in (real or [0])], pad_id), engine.device)
+            loss = engine(**batch).loss.float()
+            count = target_count(batch) if real else 0
+            loss_sum += float(loss) * count
+            tokens += count
+    engine.train()
+    loss_sum, tokens = _all_reduce_sum([loss_sum, float(tokens)], engine.device)
+    return loss_sum / max(tokens, 1.0), int(tokens)
+
+
+def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]:
+    """Every trainable parameter's full fp32 master value, and with `moments` its Adam moments under
+    `NAME#exp_avg` and `NAME#exp_avg_sq` (a collective under ZeRO-3: call on all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if moments:
+        link_optimizer_state(engine)
+    state = {}
+    for name, param in engine.module.named_parameters():
+        if param.requires_grad:
+            master = safe_get_full_fp32_param(param)  # None without a ZeRO optimizer: the module holds the value
+            state[name] = (param if master is None else master).detach().float().cpu().clone()
+            for key in MOMENTS if moments else ():
+                state[f"{name}#{key}"] = safe_get_full_optimizer_state(param, key).detach().float().cpu().clone()
+    return state
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reporting:
+    """How the loop reports: a step's figures to the tracker, the progress bar, and the run's final figures
+    (the loop's summary -> the metrics file's content, which the final checkpoint keeps)."""
+
+    log: Callable[[dict, int], None]
+    progress: Callable[[int, dict], None]
+    describe: Callable[[dict], dict]
+
+
+def train(
+    *,
+    engine,
+    train_rows,
+    val_rows,
+    schedule: Schedule,
+    directory: Path,
+    tokenizer_dir: Path,
+    pad_id: int,
+    run_state: dict,
+    saved: dict | None,
+    reporting: Reporting,
+) -> dict:
+    """Train from the step of `saved` (None: step 0; a finished run never gets here) to `schedule.max_steps`;
+    returns the run's metrics (`reporting.describe` of the summary) and history. Seconds, tokens and peak memory
+    accumulate over resumed segments, and the final checkpoint keeps the metrics."""
+    import deepspeed.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro, accumulation = schedule.micro_batch_size, schedule.accumulation
+    global_size = micro * accumulation * world
+    history, start, tokens, train_seconds, wall_before, peaks_before = History(), 0, 0.0, 0.0, 0.0, {}
+    if saved is not None:
+        start, history = saved["step"], History(**saved["history"])
+        tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
+        wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
+    begin = time.perf_counter()
+    engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
+    for step in range(start, schedule.max_steps):
+        tick = time.perf_counter()
+        batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
+        loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
+        for index in range(accumulation):
+            indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
+            rows = [train_rows[i] for i in indices]
+            batch = _to(pack(rows, pad_id), engine.device)
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(loss.detach().float())
+            step_tokens += sum(len(row["input_ids"]) for row in rows)
+        loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
+        train_seconds += time.perf_counter() - tick
+        tokens += tokens_total
+        last_loss = loss_total / (accumulation * world)
+        record = {"step": step + 1, "loss": last_loss, "lr": lr}
+        history.train.append(record)
+        done = step + 1 == schedule.max_steps
+        if (step + 1) % schedule.eval_every == 0 or done:
+            subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
+            val_loss, _ = validate(engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id)
+            entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+            history.validation.append(entry)
+            record = {**record, **entry}
+        throughput = tokens / max(train_seconds, 1e-9)
+        reporting.log({**record, "tokens_per_s": throughput}, step + 1)
+        reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
+        if (step + 1) % schedule.save_every == 0 or done:
+            peaks = figures.with_earlier(figures.memory_peaks(engine.device), peaks_before)
+            wall = wall_before + time.perf_counter() - begin
+            state = {
+                **run_state,
+                "step": step + 1,
+                "history": history.__dict__,
+                "tokens_seen": tokens,
+                "train_seconds": train_seconds,
+                "wall_seconds": wall,
+                "memory_peaks_mb": peaks,
+            }
+            if done:
+                summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
+                state["metrics"] = metrics = reporting.describe(summary)
+            folder.save(
+                engine=engine,
+                directory=directory,
+                step=step + 1,
+                state=state,
+                tokenizer_dir=tokenizer_dir,
+                keep_last=schedule.keep_last,
+            )
+    return {**metrics, "history": history.__dict__}

@@ -1,0 +1,272 @@
+"""A training run resolved once, by the stage, into frozen dataclasses: where everything is, the launch (world,
+precision, batch split), the model and schedule, what it resumes from and whether it is already finished. Written as
+one file (`plan.json` in the checkpoint folder) that each rank reads, and nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.checkpoints import folder
+from pipeline.core import config
+from pipeline.core.atomic import atomic_path, read_json
+from pipeline.data.tokenizer import META, load_tokenizer
+from pipeline.model import outline
+from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
+from pipeline.training import ds_config as dsc
+from pipeline.training.schedule import Schedule
+
+FILE = "plan.json"
+# Not part of a training trajectory: reporting and checkpointing, how the global batch is split into micro-batches
+# and accumulation steps (a resume under another world size re-splits it), and how fast the same arithmetic runs.
+UNTRACKED_TRAIN_KEYS = (
+    "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
+    "gradient_accumulation_steps", "gradient_checkpointing", "kernels",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paths:
+    """Where the run reads and writes (the stage's arguments)."""
+
+    base: Path
+    tokenizer: Path
+    dataset: Path
+    checkpoints: Path
+    metrics: Path
+    curve: Path
+    run_id_file: Path
+    tensorboard: Path | None = None
+    final_state: Path | None = None  # tests: the gathered fp32 trainable tensors at the end
+    loaded_state: Path | None = None  # tests: the state the run resumed from, with Adam's moments
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """The `auto` settings made concrete for this machine."""
+
+    accelerator: str
+    ranks_per_node: int
+    num_nodes: int
+    world_size: int
+    precision: str
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    lr: float
+    weight_decay: float
+    lr_ratio: float | None  # LoRA+: B's learning rate over A's
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tracking:
+    uri: str
+    experiment: str
+    tensorboard: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """What the ranks start from: nothing, a checkpoint folder's newest tag (this run's, or `train.resume_from`'s),
+    or a universal checkpoint converted from another layout; `finished` holds the figures when this run's final
+    checkpoint is already there (the ranks then only write what tests ask for)."""
+
+    source: Path | None = None
+    universal: Path | None = None
+    finished: dict | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    paths: Paths
+    launch: Launch
+    schedule: Schedule
+    lora: LoraSpec  # target_modules resolved to the base's layer names
+    optimizer: Optimizer
+    tracking: Tracking
+    kernels: str
+    zero_stage: int
+    ds_config: dict
+    run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
+    pad_token_id: int
+    resume: Resume = Resume()
+
+
+def resolve_launch(*, train: config.TrainConfig, launcher: config.LauncherConfig) -> Launch:
+    """Accelerator, ranks, precision, accumulation and activation checkpointing for this machine."""
+    accelerator = dsc.accelerator_name(launcher.accelerator)
+    ranks = dsc.ranks_on_this_node(launcher.ranks_per_node, accelerator)
+    world = ranks * launcher.num_nodes
+    checkpointing = train.gradient_checkpointing
+    return Launch(
+        accelerator=accelerator,
+        ranks_per_node=ranks,
+        num_nodes=launcher.num_nodes,
+        world_size=world,
+        precision=dsc.training_precision(train.precision, accelerator),
+        gradient_accumulation_steps=dsc.accumulation_steps(
+            train.gradient_accumulation_steps,
+            global_batch=train.global_batch_size,
+            micro=train.micro_batch_size,
+            world_size=world,
+        ),
+        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+    )
+
+
+def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
+    """Embedding rows for training: the tokenizer's padded size, or the model's when resizing is off."""
+    meta = read_json(tokenizer / META)
+    if resize:
+        return max(base_rows, meta["padded_vocab_size"])
+    if meta["vocab_size"] > base_rows:
+        raise ValueError(
+            f"train.resize_embeddings: false, but the tokenizer has {meta['vocab_size']} tokens and the model "
+            f"{base_rows} embedding rows; expected resize_embeddings=true or a tokenizer of at most {base_rows} tokens"
+        )
+    return base_rows
+
+
+def variant(lora: config.LoraConfig, launch: Launch) -> dict:
+    """What kind of adapter this run trains, resolved (the compute dtype) and checked where it can be before a launch:
+    bitsandbytes must quantize on this accelerator. Checkpoints carry it to the adapter, merge, evaluate and MLflow."""
+    quantized = lora.quantization != "none"
+    if quantized:
+        from pipeline.model.quantization import check_available
+
+        version = check_available(lora.quantization, launch.accelerator)
+        print(f"train: the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
+    compute = lora.compute_dtype if lora.compute_dtype != "auto" else launch.precision
+    return {
+        "use_dora": lora.use_dora,
+        "lr_ratio": lora.lr_ratio,
+        "quantization": lora.quantization,
+        "compute_dtype": compute if quantized else None,
+        "load_dtype": launch.precision,  # the dtype the base is loaded (and quantized) from
+    }
+
+
+def run_state(
+    *, paths: Paths, lora: config.LoraConfig, train: config.TrainConfig, zero_stage: int, launch: Launch
+) -> dict:
+    """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
+    layers = outline.read(paths.base)
+    targets = resolve_targets(layers, lora.target_modules)
+    check_targets(layers, targets, lora.modules_to_save)
+    if lora.target_modules == ALL_LINEAR:
+        print(f"train: lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
+    base_rows = read_json(paths.base / "config.json")["vocab_size"]
+    rows = vocab_rows(base_rows, paths.tokenizer, train.resize_embeddings)
+    if rows > base_rows and "embed_tokens" not in lora.modules_to_save:
+        raise ValueError(
+            f"lora.modules_to_save: the vocabulary grows from {base_rows} to {rows} rows but embed_tokens is not "
+            f"trained, so every new token would keep its initial embedding; expected [embed_tokens, lm_head]"
+        )
+    identity = {
+        "base_config": folder.file_digest([paths.base / "config.json"]),
+        "vocab_rows": rows,
+        "lora_r": lora.r,
+        "target_modules": sorted(targets),
+        "modules_to_save": sorted(lora.modules_to_save),
+        "use_dora": lora.use_dora,
+    }
+    trajectory = {**train.model_dump(), "precision": launch.precision}
+    settings = {
+        "lora": lora.model_dump(),
+        "train": {k: v for k, v in trajectory.items() if k not in UNTRACKED_TRAIN_KEYS},
+    }
+    inputs = {
+        name: folder.file_digest([path]) for name, path in (("tokenizer", paths.tokenizer), ("dataset", paths.dataset))
+    }
+    launched = {k: v for k, v in dataclasses.asdict(launch).items() if k != "num_nodes"}
+    return {
+        "fingerprint": folder.fingerprint({**inputs, **identity}, settings),
+        "identity": identity,
+        "world_size": launch.world_size,
+        "zero_stage": zero_stage,
+        "launch": launched,
+        "variant": variant(lora, launch),
+    }
+
+
+def make(
+    *,
+    paths: Paths,
+    train: config.TrainConfig,
+    lora: config.LoraConfig,
+    deepspeed: config.DeepSpeedConfig,
+    launch: Launch,
+    tracking: config.TrackingConfig,
+) -> Plan:
+    """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
+    checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
+    state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
+    ds_config = dsc.build(
+        zero=dsc.ZeroSettings(**deepspeed.model_dump()),
+        precision=launch.precision,
+        micro=train.micro_batch_size,
+        accumulation=launch.gradient_accumulation_steps,
+        world_size=launch.world_size,
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm,
+        global_batch=train.global_batch_size,
+        lean_gathers=launch.accelerator == "cpu",  # memory is what runs out on CPU ranks
+    )
+    tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})
+    return Plan(
+        paths=paths,
+        launch=launch,
+        schedule=Schedule(
+            micro_batch_size=train.micro_batch_size,
+            accumulation=launch.gradient_accumulation_steps,
+            max_steps=train.max_steps,
+            warmup_steps=train.warmup_steps,
+            lr_scheduler=train.lr_scheduler,
+            eval_every=train.eval_every,
+            eval_max_rows=train.eval_max_rows,
+            save_every=train.save_every,
+            keep_last=train.keep_last,
+            seed=train.seed,
+        ),
+        lora=LoraSpec(**{**spec, "target_modules": state["identity"]["target_modules"]}),
+        optimizer=Optimizer(lr=train.lr, weight_decay=train.weight_decay, lr_ratio=lora.lr_ratio),
+        tracking=Tracking(uri=tracking.uri, experiment=tracking.experiment, tensorboard=tracking.tensorboard),
+        kernels=train.kernels,
+        zero_stage=deepspeed.stage,
+        ds_config=ds_config,
+        run_state=state,
+        pad_token_id=pad or 0,
+    )
+
+
+def write(plan: Plan, path: Path) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(dataclasses.asdict(plan), indent=1, default=str) + "\n", encoding="utf-8")
+
+
+def read(path: Path) -> Plan:
+    """The plan `write` wrote, typed again."""
+    return _typed(Plan, read_json(path))
+
+
+def _typed(kind, value):
+    """`value` (JSON) as `kind`: dataclasses field by field, paths as Path, optional ones as None."""
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        return kind(
+            **{f.name: _typed(hints[f.name], value[f.name]) for f in dataclasses.fields(kind) if f.name in value}
+        )
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        options = [k for k in typing.get_args(kind) if k is not type(None)]
+        return None if value is None else _typed(options[0], value) if len(options) == 1 else value
+    return Path(value) if kind is Path else value

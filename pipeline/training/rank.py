@@ -1,0 +1,248 @@
+"""One DeepSpeed rank of the train stage, reading only the run's plan: `python -m pipeline.training.rank --plan P`
+(started by the stage on one node, through the deepspeed launcher on several)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+from pathlib import Path
+
+from pipeline.training import plan as plans
+from pipeline.training.plan import Plan
+
+
+def build_engine(plan: Plan):
+    """The LoRA model inside a DeepSpeed engine (the base loaded in the dtype the engine trains in, under ZeRO-3 each
+    rank building and loading only its partition, or quantized whole on every rank; LoRA+ groups), with the speed
+    paths the plan's `kernels` switch chooses for the device it trains on; and what those installed."""
+    import deepspeed
+
+    from pipeline import kernels
+    from pipeline.core.precision import DTYPES
+    from pipeline.model.lora import load_lora_model, parameter_groups
+    from pipeline.model.quantization import Quantization
+    from pipeline.training import ds_config as dsc
+    from pipeline.training.schedule import lr_scheduler_factory
+
+    variant, launch = plan.run_state["variant"], plan.launch
+    dtype = dsc.module_dtype(plan.ds_config)
+    quantization = None
+    if variant["quantization"] != "none":
+        quantization = Quantization(
+            kind=variant["quantization"], compute_dtype=DTYPES[variant["compute_dtype"]], storage_dtype=dtype
+        )
+    model = load_lora_model(
+        base_dir=plan.paths.base,
+        vocab_rows=plan.run_state["identity"]["vocab_rows"],
+        lora=plan.lora,
+        seed=plan.schedule.seed,
+        dtype=dtype,
+        gradient_checkpointing=launch.gradient_checkpointing,
+        zero3_config=plan.ds_config if plan.zero_stage == 3 else None,
+        quantization=quantization,
+        device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
+    )
+    installed = kernels.apply(model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=parameter_groups(
+            model, plan.optimizer.weight_decay, lr=plan.optimizer.lr, lr_ratio=plan.optimizer.lr_ratio
+        ),
+        config=plan.ds_config,
+        lr_scheduler=lr_scheduler_factory(plan.schedule),
+    )
+    return engine, installed
+
+
+def reporting(plan: Plan, engine, *, block: int, load: dict):
+    """How this rank reports (rank 0 logs to the pipeline's MLflow run and draws the progress bar; the others stay
+    silent), and the call that writes the metrics and the curve at the end (rank 0)."""
+    import deepspeed.comm as dist
+    from tqdm import tqdm
+
+    from pipeline.checkpoints.universal import MANIFEST
+    from pipeline.core.atomic import read_json, write_json
+    from pipeline.model.lora import count_parameters
+    from pipeline.tracking.execution import pipeline_run, workspace
+    from pipeline.training import figures
+    from pipeline.training.loop import Reporting
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainable, total = count_parameters(engine.module)
+    tracker = None
+    if rank == 0:  # the stage opened the run and logged params and tags
+        tracker = pipeline_run(
+            uri=plan.tracking.uri, experiment=plan.tracking.experiment, run_id_file=plan.paths.run_id_file
+        )
+    curves = None
+    if rank == 0 and plan.tracking.tensorboard and plan.paths.tensorboard is not None:
+        from pipeline.tracking.tensorboard import CurveWriter, run_dir
+
+        curves = CurveWriter(run_dir(plan.paths.tensorboard, workspace()))
+        print(
+            f"train: TensorBoard events in {curves.folder} (tensorboard --logdir {plan.paths.tensorboard})", flush=True
+        )
+    bar = tqdm(total=plan.schedule.max_steps, desc="train", dynamic_ncols=True, disable=rank != 0)
+    if tracker is not None:
+        tracker.set_tags({"world_size": str(world), "zero_stage": str(plan.zero_stage)})
+        print(f"train: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)", flush=True)
+        if plan.resume.universal is not None:
+            source = read_json(plan.resume.universal / MANIFEST)["source"]
+            converted = f"ZeRO-{source['zero_stage']} x {source['world_size']} rank(s), {source['tag']}"
+            tracker.set_tags({"resume.converted_from": converted})
+
+    def log(metrics: dict, step: int) -> None:
+        if tracker is not None:
+            tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if curves is not None:
+            curves.log(metrics, step)
+
+    def progress(step: int, shown: dict) -> None:
+        bar.n = step
+        bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=rank == 0)
+
+    def describe(summary: dict) -> dict:
+        mfu = figures.mfu(
+            tokens_per_s=summary["tokens_per_s"],
+            n_params=total,
+            model_config=engine.module.config,
+            seq_len=block,
+            world=world,
+            device=engine.device,
+        )
+        return {
+            **{k: _rounded(v) for k, v in summary.items()},
+            **load,
+            "trainable_parameters": trainable,
+            "total_parameters": total,
+            "world_size": world,
+            "zero_stage": plan.zero_stage,
+            "precision": plan.launch.precision,
+            "mfu": mfu,
+        }
+
+    def finish(metrics: dict) -> None:
+        bar.close()
+        if curves is not None:
+            curves.close()
+        if tracker is None:
+            return
+        history = metrics.pop("history")
+        write_json(plan.paths.metrics, metrics)
+        figures.write_curve(plan.paths.curve, history)
+        tracker.close()
+        print(f"train: {json.dumps(metrics)}", flush=True)
+
+    return Reporting(log=log, progress=progress, describe=describe), finish
+
+
+def _rounded(value):
+    """Figures as the metrics file shows them: 6 decimals, memory lists to 0.1 MB."""
+    if isinstance(value, float):
+        return round(value, 6)
+    return [round(v, 1) for v in value] if isinstance(value, list) else value
+
+
+def load_figures(engine, loading: dict[str, float]) -> dict:
+    """What loading the model cost each rank (host MB before and at the end of the load), and under ZeRO-3 how many
+    of the parameters DeepSpeed does not keep whole (`ds_persist`: the small ones) are partitioned, a rank holding
+    at most its ceil(n / world) elements of each: all of them."""
+    import deepspeed.comm as dist
+
+    from pipeline.training.figures import per_rank
+
+    figures = {f"load_{k}_mb_per_rank": [round(v, 1) for v in per_rank(x, engine.device)] for k, x in loading.items()}
+    params = list(engine.module.parameters())
+    if all(hasattr(p, "ds_numel") for p in params):
+        world = dist.get_world_size()
+        large = [p for p in params if not p.ds_persist]
+        held = sum(p.numel() == 0 and p.ds_tensor.numel() <= math.ceil(p.ds_numel / world) for p in large)
+        figures.update(zero3_partitioned_parameters=held, zero3_large_parameters=len(large))
+    return figures
+
+
+def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
+    """The gathered fp32 trainable tensors (with Adam's moments) into `path` (tests compare them); collective."""
+    import deepspeed.comm as dist
+    from safetensors.torch import save_file
+
+    from pipeline.core.atomic import atomic_path
+    from pipeline.training.loop import gathered_trainable
+
+    if path is None:
+        return
+    state = gathered_trainable(engine, moments=moments)
+    if dist.get_rank() == 0:
+        with atomic_path(path) as tmp:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+
+
+def run(plan: Plan) -> None:
+    """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
+    from pipeline import kernels
+    from pipeline.data.dataset import SplitRows
+    from pipeline.training import loop, resume
+    from pipeline.training.launch import exit_rank, leave_process_group
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    engine, installed = build_engine(plan)
+    loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    data = {split: SplitRows(plan.paths.dataset / split) for split in ("train", "validation")}
+    block = len(data["train"][0]["input_ids"])
+    figures = load_figures(engine, loading)
+    saved = resume.load(engine=engine, resume=plan.resume, seed=plan.schedule.seed)
+    save_gathered(engine, plan.paths.loaded_state, moments=True)  # what the run continues from, as loaded
+    installed |= kernels.settle(device=plan.launch.accelerator, enabled=plan.kernels)
+    report, finish = reporting(plan, engine, block=block, load={**figures, "kernels": installed})
+    if plan.resume.finished is not None:
+        metrics = {**plan.resume.finished, "history": saved["history"]}
+    else:
+        metrics = loop.train(
+            engine=engine,
+            train_rows=data["train"],
+            val_rows=data["validation"],
+            schedule=plan.schedule,
+            directory=plan.paths.checkpoints,
+            tokenizer_dir=plan.paths.tokenizer,
+            pad_id=plan.pad_token_id,
+            run_state=plan.run_state,
+            saved=saved,
+            reporting=report,
+        )
+    save_gathered(engine, plan.paths.final_state)
+    finish(metrics)
+    leave_process_group()
+    exit_rank()
+
+
+def main() -> None:
+    """The rank's process: imports, then waits until the stage releases it (started ahead on one node), then runs
+    the plan the stage wrote."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--plan", type=Path, required=True, help="the run's plan.json (written by the train stage)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
+    args = parser.parse_args()
+    from pipeline.core import imports
+    from pipeline.core.errors import guarded
+    from pipeline.core.quiet import quiet_third_parties
+    from pipeline.training.launch import KEEP_BITSANDBYTES, released
+
+    quiet_third_parties()
+    if os.environ.get(KEEP_BITSANDBYTES) != "1":  # known before the plan is read: the imports come first
+        imports.without_unused()
+    deepspeed = imports.deepspeed()
+    import peft  # noqa: F401  (imported before the load is measured)
+    import transformers  # noqa: F401
+
+    released()  # the stage's checks are done and the plan is written
+    plan = plans.read(args.plan)
+    deepspeed.init_distributed()
+    guarded(lambda: run(plan))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The project's tests: unit/ (in-process, one folder per library package), integration/ (real processes), helpers/."""

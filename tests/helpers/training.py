@@ -1,0 +1,64 @@
+"""Running the train stage in tests: the tiny settings, the command line, and comparisons of two trainings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.core import config
+from pipeline.core.environment import with_venv_path
+from tests.conftest import REPO
+
+TINY = [
+    "train.precision=fp32", "train.max_steps=6", "train.warmup_steps=1", "train.lr=5e-3", "train.save_every=3",
+    "train.eval_every=3", "train.micro_batch_size=1", "train.global_batch_size=4", "lora.dropout=0.0",
+    "lora.r=4", "launcher.accelerator=cpu", "lora.modules_to_save=[embed_tokens,lm_head]",
+]  # fmt: skip
+TWO_RANKS = ["launcher.ranks_per_node=2", "train.gradient_accumulation_steps=2"]
+ONE_RANK = ["launcher.ranks_per_node=1", "train.gradient_accumulation_steps=4"]
+
+
+def train_command(inputs: Path, base: Path, out: Path, overrides: list[str]) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    raw = config.compose(REPO / "conf", ["tracking.uri=", *overrides])
+    (out / "params.yaml").write_text(yaml.safe_dump(raw))
+    return [
+        sys.executable, "-m", "stages.train", "--params", str(out / "params.yaml"), "--base", str(base),
+        "--tokenizer", str(inputs / "tokenizer"), "--dataset", str(inputs / "dataset"),
+        "--checkpoints", str(out / "checkpoints"), "--metrics", str(out / "metrics.json"),
+        "--curve", str(out / "curve.csv"), "--run-id-file", str(out / "run_id.json"),
+        "--final-state", str(out / "final.safetensors"),
+    ]  # fmt: skip
+
+
+def env() -> dict:
+    return with_venv_path()
+
+
+def train(
+    inputs: Path, base: Path, out: Path, overrides: list[str], check: bool = True, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """The train stage as a process (its own params.yaml under `out`); `extra`: more stage arguments."""
+    args = [*train_command(inputs, base, out, overrides), *extra]
+    done = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True)
+    if check and done.returncode:
+        raise AssertionError(f"train exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    return done
+
+
+def losses(out: Path) -> list[float]:
+    rows = (out / "curve.csv").read_text().splitlines()[1:]
+    return [float(r.split(",")[1]) for r in rows]
+
+
+def assert_same_training(a: Path, b: Path, atol: float) -> None:
+    torch.testing.assert_close(torch.tensor(losses(a)), torch.tensor(losses(b)), atol=atol, rtol=0)
+    left, right = load_file(a / "final.safetensors"), load_file(b / "final.safetensors")
+    assert left.keys() == right.keys()
+    for name in left:
+        torch.testing.assert_close(left[name], right[name], atol=atol, rtol=1e-4, msg=name)

@@ -1,0 +1,1 @@
+"""Tests that start real processes: DeepSpeed launches, dvc, stage entry points, MLflow servers, the browser."""

@@ -1,0 +1,306 @@
+"""The train stage with real DeepSpeed ranks over gloo on a tiny random LLaMA whose vocabulary was extended."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import free_port
+from pipeline.data.tokenizer import META
+from tests.conftest import REPO
+from tests.helpers.training import (
+    ONE_RANK,
+    TINY,
+    TWO_RANKS,
+    assert_same_training,
+    env,
+    losses,
+    train,
+    train_command,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_reference_trains_the_adapter_and_the_resized_embeddings(reference, inputs):
+    state = load_file(reference / "final.safetensors")
+    lora_b = [v for k, v in state.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().max() > 0 for v in lora_b), "LoRA B left at its zero init"
+    embeddings = [v for k, v in state.items() if "embed_tokens" in k and "modules_to_save" in k]
+    assert embeddings and embeddings[0].shape[0] == read_json(inputs / "tokenizer" / META)["padded_vocab_size"]
+    metrics = read_json(reference / "metrics.json")
+    assert metrics["steps"] == 6 and metrics["world_size"] == 1
+    assert metrics["val_perplexity"] > 1 and metrics["tokens_per_s"] > 0
+    curve = losses(reference)
+    assert len(curve) == 6 and curve[-1] < curve[0], curve
+    checkpoint = reference / "checkpoints"
+    tag = (checkpoint / "latest").read_text()
+    assert tag == "step_000006"
+    for name in ("adapter_config.json", "tokenizer.json", "trainer_state.json", "rng_state_rank0.pt"):
+        assert (checkpoint / tag / name).is_file(), name
+    adapter_config = read_json(checkpoint / tag / "adapter_config.json")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{reference}/mlruns.db")
+    run = client.get_run(read_json(reference / "run_id.json")["run_id"])
+    assert run.data.params["lora.r"] == "4" and run.data.tags["world_size"] == "1"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4, 5, 6]
+    assert adapter_config["r"] == 4 and "embed_tokens" in adapter_config["modules_to_save"]  # lm_head is tied to it
+
+
+def test_two_ranks_equal_one_rank_zero2(two_ranks_zero2, reference):
+    assert_same_training(two_ranks_zero2, reference, atol=1e-5)
+    assert (two_ranks_zero2 / "checkpoints" / "latest").read_text() == "step_000006"
+    assert len(list((two_ranks_zero2 / "checkpoints").glob("step_*"))) == 2, "keep_last=2"
+
+
+def test_two_ranks_equal_one_rank_zero3(tmp_path, inputs, tiny_base_dir, reference):
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3"])
+    assert_same_training(tmp_path, reference, atol=1e-5)
+
+
+def test_kernels_off_trains_as_auto_with_stock_layers(tmp_path, inputs, tiny_base_dir, two_ranks_zero2):
+    """`train.kernels=off` runs stock transformers + PEFT + DeepSpeed (no speed path installed, none imported) and
+    trains what `auto` trains on 2 CPU ranks, within fp32 rounding; `auto` says what it installed."""
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero2", "train.kernels=off"])
+    assert_same_training(tmp_path, two_ranks_zero2, atol=1e-5)
+    off, auto = read_json(tmp_path / "metrics.json")["kernels"], read_json(two_ranks_zero2 / "metrics.json")["kernels"]
+    assert off == {}
+    assert auto.keys() == {"lean_layers", "fused_loss", "lora_linear", "linear", "attention", "allocator"}
+    assert auto["fused_loss"] == auto["attention"] == auto["allocator"] == 1 and auto["lora_linear"] > 0
+
+
+@pytest.mark.parametrize("zero", ["zero0", "zero1"])
+def test_zero0_and_zero1_train_in_bf16(tmp_path, inputs, tiny_base_dir, reference, zero):
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, f"deepspeed={zero}", "train.precision=bf16"])
+    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(reference)), atol=0.05, rtol=0)
+    assert (tmp_path / "checkpoints" / "step_000006" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("zero", ["zero2_offload", "zero3_offload"])
+def test_offload_variants_match_one_rank(tmp_path, inputs, tiny_base_dir, reference, zero):
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, f"deepspeed={zero}"])
+    assert_same_training(tmp_path, reference, atol=1e-4)
+
+
+def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir):
+    """With LoRA dropout on, so that the RNG state and the train/eval mode must be restored too; and DoRA with
+    LoRA+ on all-linear targets, so that the stage builds them and a resume restores magnitudes and the groups."""
+    variants = ["lora.use_dora=true", "lora.lr_ratio=4.0", "lora.target_modules=all-linear"]
+    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2", "lora.dropout=0.1", *variants]
+    whole = tmp_path / "whole"
+    train(inputs, tiny_base_dir, whole, overrides)
+    out = tmp_path / "killed"
+    process = subprocess.Popen(
+        train_command(inputs, tiny_base_dir, out, overrides), cwd=REPO, env=env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "latest").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    first = (out / "checkpoints" / "latest").read_text()
+    assert first in ("step_000003", "step_000006")
+    rerun = train(inputs, tiny_base_dir, out, overrides)
+    assert f"resuming from {out / 'checkpoints' / first}" in rerun.stdout
+    metrics = read_json(out / "metrics.json")
+    assert metrics["resumed_from_step"] == int(first.removeprefix("step_"))
+    torch.testing.assert_close(torch.tensor(losses(out)), torch.tensor(losses(whole)), atol=1e-6, rtol=0)
+    expected, resumed = load_file(whole / "final.safetensors"), load_file(out / "final.safetensors")
+    assert sum("lora_magnitude_vector" in name for name in expected) == 14
+    run = read_json(out / "checkpoints" / "plan.json")["run_state"]
+    trained = {"use_dora": True, "lr_ratio": 4.0, "quantization": "none", "compute_dtype": None, "load_dtype": "fp32"}
+    assert run["variant"] == trained and len(run["identity"]["target_modules"]) == 14
+    for name in expected:
+        torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed here")
+def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, tiny_base_dir):
+    """The train stage on an nf4 base, 2 ranks under ZeRO-3 in bf16, DoRA with LoRA+ on all-linear; consolidated,
+    merged into the unquantized base within the fp32 proof, and its gap to the nf4 base it trained on measured."""
+    from pipeline.checkpoints.consolidate import consolidate
+    from pipeline.merge.fold import merge
+
+    variants = ["lora.quantization=nf4", "lora.use_dora=true", "lora.lr_ratio=16", "lora.target_modules=all-linear"]
+    done = train(
+        inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3", "train.precision=bf16", *variants]
+    )
+    assert "train: the base is loaded in nf4 by bitsandbytes" in done.stdout
+    curve = losses(tmp_path)
+    assert curve[-1] < curve[0], curve
+    manifest = consolidate(checkpoint_dir=tmp_path / "checkpoints", output_dir=tmp_path / "adapter")
+    trained = {"use_dora": True, "lr_ratio": 16.0, "quantization": "nf4", "compute_dtype": "bf16", "load_dtype": "bf16"}
+    assert manifest["variant"] == trained
+    assert sum(key.endswith(".lora_magnitude_vector") for key in manifest["tensors"]) == 14
+    report = merge(base_dir=tiny_base_dir, adapter_dir=tmp_path / "adapter", out_dir=tmp_path / "merged")
+    assert report["variant"] == "DoRA + LoRA+ x16 on an nf4 base (bf16 compute)"
+    assert report["verification"]["max_abs_logit_diff"] < report["verification"]["limit_abs"]
+    assert report["against_trained_base"]["quantization"] == "nf4" and report["against_trained_base"]["mean_kl"] > 0
+
+
+def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = free_port()
+    nodes = [
+        *TINY, "launcher.ranks_per_node=1", "launcher.num_nodes=2", f"launcher.hostfile={hostfile}",
+        "train.gradient_accumulation_steps=2", "deepspeed=zero2",
+    ]  # fmt: skip
+    processes = []
+    for rank in (0, 1):
+        command = train_command(inputs, tiny_base_dir, tmp_path / f"node{rank}", [*nodes, f"launcher.node_rank={rank}"])
+        params = Path(command[command.index("--params") + 1])
+        raw = yaml.safe_load(params.read_text())
+        raw["launcher"]["master_port"] = port
+        params.write_text(yaml.safe_dump(raw))
+        processes.append(
+            subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert_same_training(tmp_path / "node0", reference, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.global_batch_size=6"], "train.global_batch_size: 6 != train.micro_batch_size (1) x "
+         "train.gradient_accumulation_steps (2) x world size (2) = 4"),
+        (["lora.target_modules=[q_proj,vproj]"], "lora.target_modules: ['vproj'] match no Linear layer; available: "),
+        (["train.resize_embeddings=false"], "train.resize_embeddings: false, but the tokenizer has"),
+        (["lora.modules_to_save=[]"], "lora.modules_to_save: the vocabulary grows from 49152 to "),
+        (["deepspeed.stage=5"], "deepspeed.stage: input should be 0, 1, 2 or 3, got 5"),
+    ],
+)  # fmt: skip
+def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overrides, message):
+    """In-process (the checks run before the launcher); the CLI path is covered by the next two tests."""
+    from stages import train as train_stage
+
+    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, *overrides])
+    flags = {a.removeprefix("--").replace("-", "_"): v for a, v in zip(command[3::2], command[4::2], strict=True)}
+    args = argparse.Namespace(**{k: v if k == "params" else Path(v) for k, v in flags.items()})
+    with pytest.raises(ValueError) as err:
+        train_stage.main(args, config.load(args.params))
+    assert message in str(err.value)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def _cpu_has_fp16() -> bool:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+@pytest.mark.skipif(_cpu_has_fp16(), reason="this CPU computes fp16 (AVX512-FP16): no precision to refuse here")
+def test_a_precision_the_cpu_cannot_train_in_is_refused(tmp_path, inputs, tiny_base_dir):
+    done = train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "train.precision=fp16"], check=False)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "train.precision: fp16 is not supported on cpu; expected one of ['bf16', 'fp32']" in done.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_batch_arithmetic_error_exits_2_without_traceback(tmp_path, inputs, tiny_base_dir):
+    done = train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "train.global_batch_size=6"], check=False)
+    assert done.returncode == 2, done.stderr
+    assert "error: train.global_batch_size: 6 != " in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lora.r=8", "is a checkpoint of another model (lora_r: checkpoint 4, this run 8)"),
+        ("lora.use_dora=true", "is a checkpoint of another model (use_dora: checkpoint False, this run True)"),
+        ("lora.lr_ratio=16", "was trained with lr_ratio None, this run has 16.0; its optimizer groups"),
+    ],
+)
+def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference, override, message):
+    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", override, f"train.resume_from={reference / 'checkpoints'}"]
+    before = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
+
+
+def test_a_finished_run_rerun_reports_the_figures_of_the_run_that_trained_it(
+    tmp_path, inputs, tiny_base_dir, two_ranks_zero2
+):
+    """`dvc repro` re-runs train after a launcher change: no rank starts, and metrics.json keeps the training run's
+    measurements (not an idle process's), marked with the checkpoint they come from."""
+    shutil.copytree(two_ranks_zero2 / "checkpoints", tmp_path / "checkpoints")
+    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *ONE_RANK, "deepspeed=zero2"])
+    at = command.index("--final-state")
+    done = subprocess.run(command[:at] + command[at + 2 :], cwd=REPO, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "is this run's final checkpoint; its figures are reported" in done.stdout
+    assert "launch.py" not in done.stdout + done.stderr, "no rank was started"
+    trained, reported = read_json(two_ranks_zero2 / "metrics.json"), read_json(tmp_path / "metrics.json")
+    assert reported == {**trained, "reused_checkpoint": "step_000006"}
+    assert (tmp_path / "curve.csv").read_text() == (two_ranks_zero2 / "curve.csv").read_text()
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, tiny_base_dir, peoples_daily) -> tuple[Path, Path, int]:
+    """A random LLaMA of 132 M parameters (530 MB in fp32: far more than the runtime), the base tokenizer, and
+    packed 64-token blocks: (base, inputs, the model's bytes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.data.dataset import build_pretraining, save_splits
+    from pipeline.data.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("wide")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=768, intermediate_size=3072, num_hidden_layers=6, num_attention_heads=12,
+        num_key_value_heads=12, tie_word_embeddings=False, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(root / "base")
+    size = sum(p.numel() * 4 for p in model.parameters())
+    del model
+    tokenizer = load_tokenizer(tiny_base_dir)
+    tokenizer.save_pretrained(root / "inputs" / "tokenizer")
+    (root / "inputs" / "tokenizer" / META).write_text(json.dumps({"vocab_size": 49152, "padded_vocab_size": 49152}))
+    tables, _ = build_pretraining(
+        tokenizer, peoples_daily[:200], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
+    save_splits(root / "inputs" / "dataset", tables)
+    return root / "base", root / "inputs", size
+
+
+def test_zero3_ranks_never_hold_the_whole_model(tmp_path, wide_model):
+    """Under ZeRO-3 each rank builds the model partitioned and reads only its slice of every tensor: right after
+    loading, every large parameter is partitioned, and what loading added to a rank's memory is about half the
+    model (2 ranks), well below the whole model the old path loaded into every rank."""
+    base, inputs, size = wide_model
+    small = [
+        "train.max_steps=1", "train.warmup_steps=0", "train.save_every=1", "train.eval_every=1",
+        "train.eval_max_rows=2", "lora.modules_to_save=[]",
+    ]  # fmt: skip
+    train(inputs, base, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3", *small])
+    metrics = read_json(tmp_path / "metrics.json")
+    assert metrics["zero3_partitioned_parameters"] == metrics["zero3_large_parameters"] >= 6 * 7 + 2
+    added = [(peak - before) * 2**20 for peak, before in zip(
+        metrics["load_peak_mb_per_rank"], metrics["load_before_mb_per_rank"], strict=True)]  # fmt: skip
+    assert all(0 < mb < 0.7 * size for mb in added), (added, size)

@@ -1,0 +1,99 @@
+"""params.yaml is the composition of conf/, and the config module rejects bad values by key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pipeline.core import config
+from tests.conftest import REPO
+
+
+def test_params_yaml_equals_composition_of_conf():
+    committed = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    assert committed == config.compose(REPO / "conf"), "params.yaml is stale: run `make params`"
+
+
+@pytest.mark.parametrize("experiment", ["sft_reviews", "sft_chat"])
+def test_experiments_compose_and_validate(experiment):
+    cfg = config.validate(config.compose(REPO / "conf", [f"experiment={experiment}"]))
+    assert cfg.data.format in ("alpaca", "chat")
+    assert cfg.tokenizer.extend is False
+
+
+def test_override_reaches_interpolations():
+    raw = config.compose(REPO / "conf", ["data.train_file=/corpora/mine.txt", "seed=7"])
+    cfg = config.validate(raw)
+    assert cfg.tokenizer.train_file == "/corpora/mine.txt"
+    assert cfg.data.seed == cfg.train.seed == cfg.corpus.seed == 7
+
+
+def _defaults() -> dict:
+    return config.compose(REPO / "conf")
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r["lora"].update(rank=8), "unknown key 'lora.rank'"),
+        (lambda r: r.update(extra_group={}), "unknown key 'extra_group'"),
+        (lambda r: r["data"].update(block_size="512"), "data.block_size: input should be a valid integer"),
+        (lambda r: r["data"].update(block_size=0), "data.block_size: input should be greater than 0"),
+        (lambda r: r["data"].update(tail="wrap"), "data.tail: input should be 'drop' or 'pad'"),
+        (lambda r: r["deepspeed"].update(stage=4), "deepspeed.stage: input should be 0, 1, 2 or 3"),
+        (lambda r: r["deepspeed"].update(offload_param=True), "deepspeed.offload_param: needs deepspeed.stage=3"),
+        (lambda r: r["eval"].update(stride=1024), "eval.stride: must be <= eval.context"),
+        (lambda r: r["data"].update(prompt_template="Q: {question}"), "data.prompt_template: expected"),
+        (lambda r: r["data"].update(format="chat"), "data.format=chat needs prompt_template=chat"),
+        (lambda r: r["launcher"].update(num_nodes=2), "launcher.hostfile: num_nodes=2 needs a hostfile"),
+        (lambda r: r["launcher"].update(num_nodes=2, hostfile="h"), "launcher.master_port: num_nodes=2 needs a fixed"),
+        (lambda r: r["tokenizer"].pop("vocab_size"), "missing key 'tokenizer.vocab_size'"),
+        (lambda r: r["lora"].update(quantization="fp4"), "lora.quantization: input should be 'none', 'nf4' or 'int8'"),
+        (lambda r: r["lora"].update(compute_dtype="bf16"), "lora.compute_dtype: bf16 applies to a 4-bit base only"),
+        (lambda r: r["lora"].update(quantization="int8", compute_dtype="fp16"), "lora.compute_dtype: fp16 applies"),
+        (lambda r: r["lora"].update(lr_ratio=0.0), "lora.lr_ratio: input should be greater than 0"),
+        (lambda r: r["lora"].update(target_modules="all"), "lora.target_modules.literal['all-linear']: input should"),
+        (
+            lambda r: (r["lora"].update(quantization="nf4"), r["deepspeed"].update(stage=3, offload_param=True)),
+            "deepspeed.offload_param: a quantized base (lora.quantization=nf4)",
+        ),
+    ],
+)
+def test_bad_values_are_named(edit, message):
+    raw = _defaults()
+    edit(raw)
+    with pytest.raises(ValueError, match="params.yaml") as err:
+        config.validate(raw)
+    assert message in str(err.value)
+
+
+def test_stage_reports_bad_params_without_traceback(tmp_path):
+    raw = _defaults()
+    raw["lora"]["rank"] = 8
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(raw), encoding="utf-8")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stages.prepare_corpus",
+            "--out",
+            str(tmp_path / "corpus"),
+            "--params",
+            str(params),
+            "--metrics",
+            str(tmp_path / "corpus.json"),
+            "--run-id-file",
+            str(tmp_path / "run.json"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "unknown key 'lora.rank'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "corpus").exists()

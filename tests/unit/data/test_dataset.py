@@ -1,0 +1,200 @@
+"""Packing loses and duplicates no token; SFT labels are masked exactly on prompt tokens; bad data is named."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.data.dataset import (
+    IGNORE_INDEX,
+    SplitRows,
+    build_instruction,
+    build_pretraining,
+    build_sft,
+    pack_blocks,
+    save_splits,
+    split_indices,
+    tokenize_documents,
+)
+from pipeline.data.textio import read_documents, read_jsonl
+from pipeline.data.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol(smol_tokenizer_dir):
+    return load_tokenizer(smol_tokenizer_dir)
+
+
+@pytest.mark.parametrize("tail", ["drop", "pad"])
+def test_packing_loses_and_duplicates_no_token(smol, peoples_daily, tail):
+    documents = peoples_daily[:200]
+    stream, n_docs = tokenize_documents(smol, documents)
+    assert n_docs == 200
+    assert int((stream == smol.eos_token_id).sum()) == 200
+    expected = [t for doc in documents for t in smol(doc, add_special_tokens=False).input_ids + [smol.eos_token_id]]
+    assert stream.tolist() == expected
+
+    inputs, labels = pack_blocks(stream, block_size=128, tail=tail, pad_id=smol.pad_token_id)
+    kept = labels[labels != IGNORE_INDEX]
+    if tail == "drop":
+        assert inputs.shape == (len(stream) // 128, 128)
+        assert np.array_equal(inputs.ravel(), stream[: inputs.size])
+    else:
+        assert inputs.shape == (-(-len(stream) // 128), 128)
+        assert np.array_equal(kept, stream), "every token appears once, in order"
+        assert (labels[-1] == IGNORE_INDEX).sum() == inputs.size - len(stream)
+    assert np.array_equal(kept, inputs[labels != IGNORE_INDEX])
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    train, val = split_indices(100, 0.1, seed=3)
+    assert len(val) == 10 and len(train) == 90
+    assert sorted(np.concatenate([train, val]).tolist()) == list(range(100))
+    again = split_indices(100, 0.1, seed=3)
+    assert np.array_equal(train, again[0]) and np.array_equal(val, again[1])
+    assert not np.array_equal(val, split_indices(100, 0.1, seed=4)[1])
+    with pytest.raises(ValueError, match="data.validation_fraction: 1 row"):
+        split_indices(1, 0.5, seed=0)
+
+
+def test_pretraining_tables_hold_every_block(smol, peoples_daily):
+    tables, stats = build_pretraining(
+        smol, peoples_daily[:300], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
+    assert stats["train_rows"] + stats["validation_rows"] == stats["tokens"] // 64
+    assert tables["train"].num_rows == stats["train_rows"]
+    assert stats["tokens_dropped"] == stats["tokens"] % 64
+    assert tables["train"].schema.field("input_ids").type.list_size == 64
+
+
+def test_too_little_text_for_one_block(smol):
+    with pytest.raises(ValueError, match="data.block_size: .* make no block of 4096"):
+        build_pretraining(smol, ["short text"], block_size=4096, tail="drop", validation_fraction=0.0, seed=0)
+
+
+ROWS = [
+    {"instruction": "判断情感。", "input": "这本书很好看。", "output": "正面"},
+    {"instruction": "Say hi.", "input": "", "output": "Hi there!"},
+]
+
+
+def _trained(tokenizer, ids, labels) -> str:
+    return tokenizer.decode([t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE_INDEX])
+
+
+def _prompt(tokenizer, ids, labels) -> list[int]:
+    return [t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE_INDEX]
+
+
+def test_alpaca_labels_mask_exactly_the_prompt(smol):
+    inputs, labels, stats = build_sft(smol, ROWS, template="alpaca", max_seq_len=512)
+    assert stats == {"examples": 2, "truncated_examples": 0, "dropped_examples": 0}
+    for row, ids, lab in zip(ROWS, inputs, labels, strict=True):
+        assert _trained(smol, ids, lab) == row["output"] + smol.eos_token
+        first = next(i for i, t in enumerate(lab) if t != IGNORE_INDEX)
+        assert all(t == IGNORE_INDEX for t in lab[:first]) and all(t != IGNORE_INDEX for t in lab[first:])
+        assert "### Response:\n" in smol.decode(ids[:first])
+        assert row["instruction"] in smol.decode(_prompt(smol, ids, lab))
+
+
+def test_custom_template_and_truncation(smol):
+    inputs, labels, stats = build_sft(smol, ROWS, template="Q: {instruction} {input}\nA: ", max_seq_len=8)
+    assert all(len(ids) <= 8 for ids in inputs)
+    assert stats["truncated_examples"] >= 1
+    assert stats["examples"] == len(inputs) + stats["dropped_examples"]
+
+
+def test_chat_masks_everything_but_assistant_turns(smol):
+    conversation = {
+        "messages": [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi, how can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+            {"role": "assistant", "content": "Why did the chicken cross the road?"},
+        ]
+    }
+    inputs, labels, _ = build_sft(smol, [conversation], template="chat", max_seq_len=1024)
+    trained = _trained(smol, inputs[0], labels[0])
+    assert trained == "Hi, how can I help?<|im_end|>\nWhy did the chicken cross the road?<|im_end|>\n"
+    full = smol.apply_chat_template(conversation["messages"], tokenize=False)
+    assert smol.decode(inputs[0]) == full
+    assert "Tell me a joke." in smol.decode(_prompt(smol, inputs[0], labels[0]))
+
+
+def test_instruction_tables_and_masked_fraction(smol):
+    tables, stats = build_instruction(
+        smol, ROWS * 10, template="chat", max_seq_len=256, validation_fraction=0.1, seed=0
+    )
+    assert (stats["train_rows"], stats["validation_rows"]) == (18, 2)
+    assert 0.5 < stats["masked_fraction"] < 1.0
+    assert tables["validation"].column_names == ["input_ids", "labels"]
+
+
+def test_saved_dataset_is_byte_identical_across_runs(smol, peoples_daily, tmp_path):
+    from datasets import load_from_disk
+
+    for name in ("a", "b"):
+        tables, _ = build_pretraining(
+            smol, peoples_daily[:100], block_size=32, tail="pad", validation_fraction=0.2, seed=1
+        )
+        save_splits(tmp_path / name, tables)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert files
+    for rel in files:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    loaded = load_from_disk(str(tmp_path / "a"))
+    assert set(loaded) == {"train", "validation"}
+    assert len(loaded["train"][0]["input_ids"]) == 32
+
+
+def test_split_rows_are_datasets_rows(smol, peoples_daily, tmp_path):
+    """What the train ranks read without datasets is what load_from_disk(...).with_format("numpy") reads: packed
+    blocks (fixed-size lists) and SFT rows (variable length)."""
+    from datasets import load_from_disk
+
+    packed, _ = build_pretraining(smol, peoples_daily[:100], block_size=32, tail="pad", validation_fraction=0.2, seed=1)
+    sft, _ = build_instruction(smol, ROWS * 10, template="chat", max_seq_len=256, validation_fraction=0.1, seed=0)
+    for name, tables in (("packed", packed), ("sft", sft)):
+        save_splits(tmp_path / name, tables)
+        reference = load_from_disk(str(tmp_path / name)).with_format("numpy")
+        for split in ("train", "validation"):
+            rows = SplitRows(tmp_path / name / split)
+            assert len(rows) == len(reference[split]) > 0
+            for i in range(len(rows)):
+                got, want = rows[np.int64(i)], reference[split][i]
+                assert got.keys() == want.keys() == {"input_ids", "labels"}
+                for key in got:
+                    assert got[key].dtype == want[key].dtype and np.array_equal(got[key], want[key]), (name, i)
+        if name == "sft":  # the rows really vary in length
+            assert len({len(row["input_ids"]) for row in reference["train"]}) > 1
+
+
+def test_missing_and_empty_files_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.txt: data file not found"):
+        read_documents(tmp_path / "absent.txt")
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match="empty.txt: data file is empty"):
+        read_documents(tmp_path / "empty.txt")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("first line\nsecond line\ncaf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt:3: invalid UTF-8 \(byte offset 26\)"):
+        read_documents(tmp_path / "latin1.txt")
+
+
+def test_jsonl_missing_field_names_file_and_line(tmp_path):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(
+        json.dumps(ROWS[0]) + "\n\n" + json.dumps({"instruction": "x", "input": ""}) + "\n", encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match=r"sft.jsonl:3: missing field\(s\) 'output'"):
+        read_jsonl(path, ("instruction", "output"))
+    path.write_text("{not json}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"sft.jsonl:1: invalid JSON"):
+        read_jsonl(path, ("instruction",))
+    path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"sft.jsonl:1: 'messages' must be a non-empty list"):
+        read_jsonl(path, ("messages",))

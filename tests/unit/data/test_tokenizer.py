@@ -1,0 +1,110 @@
+"""Vocabulary extension keeps every base id, shortens Chinese text, round-trips, for both tokenizer kinds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.data.tokenizer import (
+    extend_byte_level,
+    load_tokenizer,
+    round_up,
+    tokenizer_kind,
+    tokens_per_char,
+    write_extended,
+)
+
+ENGLISH = ["The capital of France is Paris.", "Hello world, this is a test of 42 tokens!"]
+
+
+@pytest.fixture(scope="module")
+def corpus(peoples_daily) -> tuple[list[str], list[str]]:
+    """Train on the first 4,000 paragraphs, hold out the last 300 (another part of the month)."""
+    return peoples_daily[:4000], peoples_daily[-300:]
+
+
+@pytest.mark.parametrize(
+    ("base_fixture", "kind"), [("smol_tokenizer_dir", "byte_level_bpe"), ("sp_tokenizer_dir", "sentencepiece")]
+)
+def test_extension_keeps_ids_and_shortens_chinese(request, tmp_path, corpus, base_fixture, kind):
+    base_dir = request.getfixturevalue(base_fixture)
+    assert tokenizer_kind(base_dir) == kind
+    train, heldout = corpus
+    out = tmp_path / "extended"
+    added = write_extended(base_dir, out, train, vocab_size=6000, model_type="bpe", character_coverage=0.9995)
+    base, extended = load_tokenizer(base_dir), load_tokenizer(out)
+
+    assert added > 500
+    assert len(extended) == len(base) + added
+    base_vocab, new_vocab = base.get_vocab(), extended.get_vocab()
+    assert all(new_vocab[piece] == index for piece, index in base_vocab.items()), "a base token changed its id"
+    assert sorted(set(new_vocab.values()) - set(base_vocab.values())) == list(range(len(base), len(extended)))
+
+    before, after = tokens_per_char(base, heldout), tokens_per_char(extended, heldout)
+    assert after < 0.8 * before, (before, after)
+    for text in heldout + ENGLISH:
+        assert extended.decode(extended(text, add_special_tokens=False).input_ids) == text
+    for text in ENGLISH:  # new merges rank after every base merge: English tokenizes as before
+        assert extended(text).input_ids == base(text).input_ids
+
+
+def test_unigram_cannot_extend_byte_level_bpe(smol_tokenizer_dir, tmp_path, corpus):
+    with pytest.raises(ValueError, match="tokenizer.model_type: a byte-level BPE base can only be extended"):
+        write_extended(
+            smol_tokenizer_dir,
+            tmp_path / "out",
+            corpus[0][:200],
+            vocab_size=1000,
+            model_type="unigram",
+            character_coverage=0.9995,
+        )
+
+
+def test_sentencepiece_model_types_must_match(sp_tokenizer_dir, tmp_path, corpus):
+    with pytest.raises(ValueError, match="tokenizer.model_type: the base SentencePiece model is bpe"):
+        write_extended(
+            sp_tokenizer_dir,
+            tmp_path / "out",
+            corpus[0][:500],
+            vocab_size=1000,
+            model_type="unigram",
+            character_coverage=0.9995,
+        )
+
+
+def test_byte_level_merges_skip_known_and_unreachable_tokens():
+    base = {"model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": [["a", "b"]]}, "added_tokens": []}
+    extended, added = extend_byte_level(base, [["a", "b"], ["ab", "a"], ["x", "a"], ["aba", "b"]])
+    assert added == 2
+    assert extended["model"]["vocab"] == {"a": 0, "b": 1, "ab": 2, "aba": 3, "abab": 4}
+    assert extended["model"]["merges"] == [["a", "b"], ["ab", "a"], ["aba", "b"]]
+    assert base["model"]["vocab"] == {"a": 0, "b": 1, "ab": 2}, "the base mapping must not be mutated"
+
+
+def test_sentencepiece_vocab_below_alphabet_is_named(sp_tokenizer_dir, tmp_path, corpus):
+    with pytest.raises(
+        ValueError, match="tokenizer.vocab_size / tokenizer.character_coverage: .*smaller than required"
+    ):
+        write_extended(
+            sp_tokenizer_dir, tmp_path / "out", corpus[0], vocab_size=1000, model_type="bpe", character_coverage=0.9995
+        )
+    assert not (tmp_path / "out" / "tokenizer.model").exists()
+
+
+def test_empty_tokenizer_folder_is_refused(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(
+        json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}, "added_tokens": []})
+    )
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"{tmp_path}: (tokenizer loads empty|cannot load a tokenizer)"):
+        load_tokenizer(tmp_path)
+
+
+def test_missing_tokenizer_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere: tokenizer folder not found"):
+        load_tokenizer(tmp_path / "nowhere")
+
+
+def test_round_up():
+    assert [round_up(n, 64) for n in (1, 64, 65, 56693)] == [64, 64, 128, 56704]

@@ -1,0 +1,76 @@
+"""GGUF export: read back by transformers, an f16 file computes exactly what the model computes with its weights
+rounded to f16 and a q8_0 file stays within its tolerances; the rotary row order is what makes that so (without it
+the check fails); the tokenizer and chat template travel inside; unknown architectures, types and tokenizers are
+refused before anything is written; the stage writes only a note when off."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import pytest
+import yaml
+
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from pipeline.export import gguf as gguf_export
+from pipeline.export.gguf import check_exportable, export_gguf
+from pipeline.export.gguf_roundtrip import F16_MAX_ABS, roundtrip
+from tests.conftest import REPO
+
+
+@pytest.mark.parametrize("type_name", ["f16", "q8_0"])
+def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name):
+    import gguf
+
+    out = tmp_path / "model.gguf"
+    written = export_gguf(model_dir=tiny_base_dir, out=out, type_name=type_name)
+    assert written["tensors"] == {type_name: 15, "f32": 5}, "2 layers x 7 matrices + tied embeddings; 5 norms"
+    figures = roundtrip(model_dir=tiny_base_dir, gguf_file=out, type_name=type_name)
+    assert figures["top1_agreement"] == 1.0
+    if type_name == "f16":
+        assert figures["max_abs_diff_vs_f16_rounded"] == 0.0, "f16 changes nothing but the rounding"
+        assert figures["max_abs_logit_diff"] < 1e-3
+    else:
+        assert figures["max_abs_logit_diff"] < 0.05 * figures["max_abs_logit"]
+    reader = gguf.GGUFReader(str(out))
+    fields = {name: reader.fields[name] for name in ("general.architecture", "tokenizer.ggml.model")}
+    assert [bytes(f.parts[f.data[0]]).decode() for f in fields.values()] == ["llama", "gpt2"]
+    assert "tokenizer.chat_template" in reader.fields and "tokenizer.ggml.merges" in reader.fields
+
+
+def test_without_the_rotary_row_order_the_proof_fails(tiny_base_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_export, "rope_rows_interleaved", lambda weight, heads: weight)
+    export_gguf(model_dir=tiny_base_dir, out=tmp_path / "m.gguf", type_name="f16")
+    with pytest.raises(ValueError, match=rf"differ from the f16-rounded source by .* \(limit {F16_MAX_ABS}\)"):
+        roundtrip(model_dir=tiny_base_dir, gguf_file=tmp_path / "m.gguf", type_name="f16")
+
+
+def test_bad_export_input_writes_nothing(tiny_base_dir, tmp_path):
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_base_dir, other)
+    raw = read_json(other / "config.json")
+    (other / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"model_type 'gpt2': the GGUF exporter knows llama .* --type q8_0"):
+        export_gguf(model_dir=other, out=tmp_path / "a.gguf", type_name="q8_0")
+    with pytest.raises(ValueError, match=r"--type: expected one of f16, q8_0, got 'q4_k'"):
+        check_exportable(tiny_base_dir, "q4_k")
+    (other / "config.json").write_text(json.dumps(raw))
+    spec = read_json(other / "tokenizer.json")
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"tokenizer.json: the exporter writes byte-level BPE tokenizers"):
+        export_gguf(model_dir=other, out=tmp_path / "a.gguf", type_name="f16")
+    assert list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".*tmp*")) == []
+
+
+def test_stage_off_writes_only_a_note(tmp_path):
+    from stages import export as stage
+
+    raw = config.compose(REPO / "conf", ["tracking.uri="])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    args = argparse.Namespace(merged=tmp_path / "nowhere", out=tmp_path / "gguf", metrics=tmp_path / "export.json")
+    assert stage.main(args, config.load(tmp_path / "params.yaml")) == {"exported": False}
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["README.md"]
+    assert "dvc exp run -S export.gguf=true" in (tmp_path / "gguf" / "README.md").read_text()
