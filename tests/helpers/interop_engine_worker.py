@@ -1,8 +1,8 @@
-"""Started by tests/integration/test_interop.py through `deepspeed --num_gpus N --module tests.helpers.interop_engine_worker`: for each
-case, a bare `deepspeed.initialize` (no code of ours) trains a tiny PEFT LoRA LLaMA two steps with the optimizer the
-case names and saves a checkpoint as DeepSpeed's own API does (`<case>/latest`, `<case>/global_step2/`), with the
-adapter config beside the tag; then writes the live engine's fp32 masters (and, where the engine can say, Adam's
-moments) and its module values to `<case>/live.safetensors`."""
+"""Started by tests/integration/test_interop.py through `deepspeed --num_gpus N --module
+tests.helpers.interop_engine_worker`: for each case, a bare `deepspeed.initialize` (no code of ours) trains a tiny PEFT
+LoRA LLaMA two steps with the optimizer the case names and saves a checkpoint as DeepSpeed's own API does
+(`<case>/latest`, `<case>/global_step2/`), with the adapter config beside the tag; then writes the live engine's fp32
+masters (and, where the engine can say, Adam's moments) and its module values to `<case>/live.safetensors`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""Started by tests/integration/test_interop.py through `deepspeed --num_gpus 2 --module tests.helpers.interop_trainer_worker`: for each
-case, HF `Trainer` with a DeepSpeed config (as LLaMA-Factory and axolotl drive it; no code of ours) trains the tiny
-PEFT LoRA LLaMA two steps, saving `checkpoint-1/` and `checkpoint-2/` into `<case>/`; then writes the live engine's
-state (tests/helpers/interop_engine_worker.py's `live_state`) to `<case>/live.safetensors`: what checkpoint-2 must hold."""
+"""Started by tests/integration/test_interop.py through `deepspeed --num_gpus 2 --module
+tests.helpers.interop_trainer_worker`: for each case, HF `Trainer` with a DeepSpeed config (as LLaMA-Factory and axolotl
+drive it; no code of ours) trains the tiny PEFT LoRA LLaMA two steps, saving `checkpoint-1/` and `checkpoint-2/` into
+`<case>/`; then writes the live engine's state (tests/helpers/interop_engine_worker.py's `live_state`) to
+`<case>/live.safetensors`: what checkpoint-2 must hold."""
 
 from __future__ import annotations
 

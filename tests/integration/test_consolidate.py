@@ -29,9 +29,9 @@ CONFIGS = [f"{stage}:{precision}" for stage in range(4) for precision in ("fp32"
 CASES = [(stage, precision, ranks) for stage in range(4) for precision in ("fp32", "bf16") for ranks in (1, 2)]
 BNB = importlib.util.find_spec("bitsandbytes") is not None
 NO_BNB = "bitsandbytes is not installed here (make setup installs it): QLoRA not tested"
-# LoRA variants, trained by 2 ranks only (tests/helpers/zero_worker.py): DoRA, LoRA+ under ZeRO-2 and ZeRO-3, both together
-# under ZeRO-0, 1 and 3; QLoRA on all-linear where bitsandbytes is installed: nf4 and int8 under ZeRO-2 and ZeRO-3,
-# nf4 with a bf16 storage, DoRA on nf4 and on int8 (PEFT's dequantization patched).
+# LoRA variants, trained by 2 ranks only (tests/helpers/zero_worker.py): DoRA, LoRA+ under ZeRO-2 and ZeRO-3, both
+# together under ZeRO-0, 1 and 3; QLoRA on all-linear where bitsandbytes is installed: nf4 and int8 under ZeRO-2 and
+# ZeRO-3, nf4 with a bf16 storage, DoRA on nf4 and on int8 (PEFT's dequantization patched).
 VARIANTS = ["2:fp32:dora", "3:fp32:dora", "2:fp32:loraplus", "3:fp32:loraplus"]
 VARIANTS += [f"{stage}:fp32:dora_loraplus" for stage in (0, 1, 3)]
 QLORA = ["2:fp32:nf4", "3:fp32:nf4", "3:bf16:nf4", "3:fp32:dora_nf4", "2:fp32:dora_int8", "3:fp32:int8"]
@@ -52,8 +52,9 @@ def untied_base_dir(tmp_path_factory, tiny_base_dir) -> Path:
 
 def _launch(base: Path, out: Path, ranks: int, configs: list[str]) -> None:
     command = [
-        "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module", "tests.helpers.zero_worker",
-        "--base", str(base), "--out", str(out), "--vocab-rows", str(VOCAB_ROWS), "--configs", *configs,
+        "deepspeed", "--num_gpus", str(ranks), "--master_port", str(free_port()),
+        "--module", "tests.helpers.zero_worker", "--base", str(base), "--out", str(out),
+        "--vocab-rows", str(VOCAB_ROWS), "--configs", *configs,
     ]  # fmt: skip
     env = {**with_venv_path(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)

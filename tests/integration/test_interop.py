@@ -1,8 +1,8 @@
 """Interoperability of consolidate and convert: checkpoints written without our trainer (a bare deepspeed.initialize
-with each optimizer DeepSpeed builds, tests/helpers/interop_engine_worker.py, on 3 ranks; HF Trainer with a DeepSpeed config
-as LLaMA-Factory drives it, tests/helpers/interop_trainer_worker.py, on 2; two launches in all) consolidate into adapters
-equal to the live engines' fp32 masters that PEFT loads, convert to the universal layout with Adam's moments, and
-folders that are not one save of one layout are refused with the files named and nothing written."""
+with each optimizer DeepSpeed builds, tests/helpers/interop_engine_worker.py, on 3 ranks; HF Trainer with a DeepSpeed
+config as LLaMA-Factory drives it, tests/helpers/interop_trainer_worker.py, on 2; two launches in all) consolidate into
+adapters equal to the live engines' fp32 masters that PEFT loads, convert to the universal layout with Adam's moments,
+and folders that are not one save of one layout are refused with the files named and nothing written."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The CPU attention (pipeline/kernels/attention.py), bf16 and fp32: SDPA's forward bit for bit, gradients as close to an
-fp64 reference as transformers' eager attention's (causal, packed rows, right-padded rows, a mask that is not causal;
+"""The CPU attention (pipeline/kernels/attention.py), bf16 and fp32: SDPA's forward bit for bit, gradients as close to
+an fp64 reference as transformers' eager attention's (causal, packed rows, right-padded rows, a mask that is not causal;
 grouped and plain heads; one block of queries or several); its two kernels against the formulas they compute; in a
 model, SDPA's losses; anything else left to transformers' SDPA."""
 

@@ -20,9 +20,7 @@ from pipeline.model.base_import import tiny_llama_config
 from tests.helpers.devices import deterministic_attention
 
 
-def tiny_lora(
-    modules_to_save: list[str], dtype: torch.dtype = torch.float32, device: str = "cpu"
-) -> torch.nn.Module:
+def tiny_lora(modules_to_save: list[str], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     # no cache, as pipeline.model.lora loads the model for training: packed rows need it
     config = tiny_llama_config(vocab_size=101, max_position_embeddings=64, use_cache=False)

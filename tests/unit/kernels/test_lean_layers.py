@@ -1,8 +1,9 @@
-"""The lean SwiGLU MLP and RMSNorm (pipeline/kernels/lean_layers.py), with LoRA on the MLP's own projections and a trained
-norm, in fp32 and bf16: with PyTorch's operators bit for bit transformers' loss and gradients, with the CPU kernels
-within rounding of them (and the kernels against an fp64 reference as close as the operators); a third less of the
-MLP's tensors and (in bf16) none of the norms' fp32 copies kept for the backward pass (with the operators fp32 norms
-are left as they are: nothing to save); an MLP whose activation is not SiLU left alone."""
+"""The lean SwiGLU MLP and RMSNorm (pipeline/kernels/lean_layers.py), with LoRA on the MLP's own projections and a
+trained norm, in fp32 and bf16: with PyTorch's operators bit for bit transformers' loss and gradients, with the CPU
+kernels within rounding of them (and the kernels against an fp64 reference as close as the operators); a third less of
+the MLP's tensors and (in bf16) none of the norms' fp32 copies kept for the backward pass (with the operators fp32 norms
+are left as they are: nothing to save); an MLP whose activation is not SiLU left alone. On a GPU (marked gpu) the
+operators' path, bit for bit there too."""
 
 from __future__ import annotations
 

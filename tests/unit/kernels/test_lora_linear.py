@@ -1,6 +1,7 @@
-"""PEFT LoRA layers as one autograd function (pipeline/kernels/lora_linear.py): the loss and every trained gradient within
-rounding of PEFT's (fp32, bf16; with LoRA's dropout, drawing the same masks; a trained head beside), nothing more
-kept for the backward pass; DoRA, disabled and merged adapters run PEFT's own forward, bit for bit."""
+"""PEFT LoRA layers as one autograd function (pipeline/kernels/lora_linear.py): the loss and every trained gradient
+within rounding of PEFT's (fp32, bf16; with LoRA's dropout, drawing the same masks; a trained head beside), nothing more
+kept for the backward pass; DoRA, disabled and merged adapters run PEFT's own forward, bit for bit. On a GPU (marked
+gpu) the same checks over nn.Linear."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ installed = kernels.apply(model, device=sys.argv[1], zero_stage=2, enabled=sys.a
 changed = sorted({type(m).__name__ for n, m in model.named_modules() if m.forward != forwards[n]})
 loaded = sorted(m for m in sys.modules if m.startswith("pipeline.kernels."))
 cpp = sys.modules.get("pipeline.kernels.cpp")
-print(installed, changed, loaded, model.config._attn_implementation, cpp is not None and cpp.build.cache_info().currsize)
+built = cpp is not None and cpp.build.cache_info().currsize
+print(installed, changed, loaded, model.config._attn_implementation, built)
 """
 
 

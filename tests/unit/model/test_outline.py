@@ -1,5 +1,5 @@
-"""pipeline/model/outline.py: prepare_base's import writes the outline the train stage's checks read without transformers'
-model code; a base without one, or whose config changed since, is outlined from its architecture."""
+"""pipeline/model/outline.py: prepare_base's import writes the outline the train stage's checks read without
+transformers' model code; a base without one, or whose config changed since, is outlined from its architecture."""
 
 from __future__ import annotations
 
