@@ -1,5 +1,5 @@
 """Generate docs/configuration.md from conf/: every group's choices and every key with its default and the comment
-beside it in the YAML (the single source; tests/test_structure.py fails when the page drifts or a key has none).
+beside it in the YAML (the single source; tests/unit/test_structure.py fails when the page drifts or a key has none).
 
     python -m tools.config_reference          # rewrite docs/configuration.md
 """

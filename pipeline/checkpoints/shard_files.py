@@ -41,7 +41,7 @@ class _Opaque:
 
 
 class _Unpickler(pickle.Unpickler):
-    """Unpickles checkpoints without importing DeepSpeed (about 140 MB): its enums become ints."""
+    """Unpickles checkpoints without importing DeepSpeed (a heavy import): its enums become ints."""
 
     def find_class(self, module: str, name: str):
         if module.split(".")[0] == "deepspeed":

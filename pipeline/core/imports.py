@@ -1,11 +1,12 @@
 """DeepSpeed, PEFT and transformers imported without the optional parts they import whenever those are installed but
 a run does not use:
-- DeepSpeed's autotuner imports MLflow (0.8 s and 50 MB in every rank);
+- DeepSpeed's autotuner imports MLflow (in every rank);
 - ZeRO imports its Muon optimizer (to tell it apart), whose functions are wrapped by torch.compile as it is imported,
-  which imports inductor: 1.2 s per rank, though we train with AdamW. Here it is imported with DeepSpeed's own
+  which imports inductor in every rank, though we train with AdamW. Here it is imported with DeepSpeed's own
   no-op decorator in torch.compile's place, so Muon would run uncompiled;
-- PEFT and transformers import bitsandbytes (0.5 s and 40 MB) for a base that is not quantized, and transformers
-  imports scipy.optimize for its object-detection losses (0.3 s).
+- PEFT and transformers import bitsandbytes for a base that is not quantized, and transformers imports
+  scipy.optimize for its object-detection losses.
+What each costs: docs/training.md.
 DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
 nothing, which is how these packages test for their optional dependencies."""

@@ -25,7 +25,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def native_bf16(device: str) -> bool:
     """Whether `device` ("cuda" or "cpu") computes in bf16 natively: a GPU that supports it, or a CPU with
     AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm), read from /proc/cpuinfo, not guessed from the
-    vendor. Elsewhere bf16 arithmetic is emulated and about 10x slower than fp32."""
+    vendor. Elsewhere bf16 arithmetic is emulated, and slower than fp32."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:

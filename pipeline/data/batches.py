@@ -31,7 +31,7 @@ def pack(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
     several lengths (SFT) end to end in one sequence without padding, positions restarting at each row (from
     which transformers builds a block-diagonal causal mask: no row sees another) and each row's next-token
     targets (its last position predicts nothing). The same loss over the same targets as `collate`'s padded
-    batch, without computing the pads (tests/test_fused_loss.py). Needs the model's `use_cache` off (as
+    batch, without computing the pads (tests/unit/kernels/test_fused_loss.py). Needs the model's `use_cache` off (as
     pipeline.model.lora loads it): transformers detects packed rows only without a cache."""
     if len({len(r["input_ids"]) for r in rows}) == 1:
         return collate(rows, pad_id)

@@ -1,18 +1,17 @@
-"""The train ranks' CPU allocator (cpu_allocator.cpp): every tensor of 256 KB and more from one region of its own,
+"""The train ranks' CPU allocator (csrc/allocator.cpp): every tensor of 256 KB and more from one region of its own,
 best fit with coalescing, its pages kept for the next step; smaller ones from glibc as before.
 
 With glibc alone, the step's large tensors share the heap with small blocks that live on (the optimizer's states,
 DeepSpeed's buffers, allocated amid the first step's activations): the freed space is split, the second step's
-tensors no longer fit it in their own order, and the heap grows by what it cannot reuse. bench.train, fp32 text, per
-rank: the heap grew from 617 to 854 MB at the second step, the step paid 60k page faults for it (+0.5 s), and the
-peak was 1.70 GB; with this allocator 1.43 GB, no growth after the first step (bf16: 1.13 -> 0.99 GB)."""
+tensors no longer fit it in their own order, and the heap grows by what it cannot reuse, paying page faults for it.
+With this allocator a rank reaches its high-water mark in the first step (figures: docs/kernels.md)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pipeline.kernels import cpp as cpu_kernels
+from pipeline.kernels import cpp
 
 SOURCE = Path(__file__).parent / "csrc" / "allocator.cpp"
 STARTUP_ENVIRONMENT = {
@@ -32,21 +31,21 @@ def install() -> bool:
     """Make it PyTorch's CPU allocator for every tensor allocated from now on in this process (once; it cannot be
     undone): the region's address space is reserved as large as the machine's memory, nothing allocated until
     touched. False, and glibc's as before, where it cannot be built or the reservation is refused."""
-    compiled = cpu_kernels.build(SOURCE)
+    compiled = cpp.build(SOURCE)
     return compiled is not None and compiled.install(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def usage() -> tuple[int, int]:
     """The region's high-water mark in bytes and how many free blocks lie below its top (0, 0 when not installed)."""
-    compiled = cpu_kernels.build(SOURCE)
+    compiled = cpp.build(SOURCE)
     return tuple(compiled.usage()) if compiled is not None else (0, 0)
 
 
 def keep_freed_memory() -> None:
     """From now on keep freed memory in this process's heap (glibc): tensors up to 256 MB come from the heap, and it
     is returned to the system only above 1 GB free at its top. A training step frees and reallocates the same
-    sizes each time; mapped and unmapped, each step pays the page faults of zeroing them again (bench.train, bf16
-    text: 725 -> 842 tokens/s, peak memory per rank 1.61 -> 1.55 GB). No effect where the C library is not glibc."""
+    sizes each time; mapped and unmapped, each step pays the page faults of zeroing them again (figures:
+    docs/kernels.md). No effect where the C library is not glibc."""
     import ctypes
     import ctypes.util
 

@@ -1,19 +1,17 @@
 """Attention for training on a CPU (bf16 or fp32): SDPA's forward, the backward pass as matmuls and two fused passes.
 
 PyTorch's CPU flash-attention backward computes the softmax's gradient a few rows at a time around small matrix
-products: for 2 x 256 tokens, 9 heads of 64, its backward takes 12.1 ms per layer in bf16 and 10.3 in fp32 on this
-AMD EPYC (Zen 4). Here the backward recomputes the scores with one batched matmul over all query heads of a
-key-value head at once (grouped-query attention without copying the key and value heads), then the probabilities P,
-dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K scale, dK = dS^T Q scale. P and dS each take one
-pass over the score rows in C++ (pipeline/kernels/cpp.py): softmax over the keys a query attends (causal, or the
-mask's), and the softmax's gradient from P and dP. Where no query sees a later key (causal; packed or right-padded
-rows), the queries go in blocks of 64 (bf16) or 32 (fp32), each block's matmuls over the keys up to its end only:
-the masked half of the scores is never computed (4.65 ms per layer in bf16, 6.74 in fp32; 6.2 and 15.3 as one
-block). In bf16, P is computed as transformers' eager attention computes it (the scores' matmul rounded to bf16,
-the softmax in fp32, rounded to bf16); in both precisions the gradients are as close to an fp64 reference as eager
-attention's (tests/test_cpu_attention.py). The forward pass, and so every loss, is SDPA's, bit for bit. Memory:
-SDPA keeps the queries, keys, values, output and log-sum-exp; this keeps the queries, keys and values, and holds one
-block's scores while its backward runs.
+products, well below the matmuls' rate (figures: docs/kernels.md). Here the backward recomputes the scores with one
+batched matmul over all query heads of a key-value head at once (grouped-query attention without copying the key and
+value heads), then the probabilities P, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(P * dP)), dQ = dS K scale, dK =
+dS^T Q scale. P and dS each take one pass over the score rows in C++ (pipeline/kernels/cpp.py): softmax over the keys a
+query attends (causal, or the mask's), and the softmax's gradient from P and dP. Where no query sees a later key
+(causal; packed or right-padded rows), the queries go in blocks of 64 (bf16) or 32 (fp32), each block's matmuls over the
+keys up to its end only: the masked half of the scores is never computed. In bf16, P is computed as transformers' eager
+attention computes it (the scores' matmul rounded to bf16, the softmax in fp32, rounded to bf16); in both precisions the
+gradients are as close to an fp64 reference as eager attention's (tests/unit/kernels/test_attention.py). The forward
+pass, and so every loss, is SDPA's, bit for bit. Memory: SDPA keeps the queries, keys, values, output and log-sum-exp;
+this keeps the queries, keys and values, and holds one block's scores while its backward runs.
 
 Anything else (another device or dtype, dropout, soft-capping, a float mask, decoding with a cache), or a machine
 where the kernels cannot be built, goes to transformers' SDPA attention unchanged."""
@@ -25,7 +23,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from pipeline.kernels import cpp as cpu_kernels
+from pipeline.kernels import cpp
 
 NAME = "sdpa_matmul_backward"
 DTYPES = (torch.bfloat16, torch.float32)
@@ -138,7 +136,7 @@ def install(model: torch.nn.Module) -> bool:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     on_cpu = model.dtype in DTYPES and model.device.type == "cpu"
-    compiled = cpu_kernels.load() if on_cpu and model.config._attn_implementation == "sdpa" else None
+    compiled = cpp.load() if on_cpu and model.config._attn_implementation == "sdpa" else None
     if compiled is None:
         return False
     AttentionInterface.register(NAME, partial(attention, compiled=compiled))

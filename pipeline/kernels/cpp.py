@@ -1,6 +1,6 @@
 """Our C++ for CPUs, compiled once per environment (`make setup`, or the first use) with -march=native into the
-environment's extensions folder and imported from there by every process after (0.3 ms): the kernels of
-cpu_kernels.cpp (the attention's softmax and its gradient, the loss's softmax cross-entropy over a vocabulary row,
+environment's extensions folder and imported from there by every process after: the kernels of
+csrc/kernels.cpp (the attention's softmax and its gradient, the loss's softmax cross-entropy over a vocabulary row,
 SwiGLU's product, RMSNorm: plain loops the compiler vectorizes, the exp a polynomial within 2 ulp), and any other
 source given to `build` (pipeline/kernels/csrc/allocator.cpp)."""
 
@@ -29,14 +29,14 @@ def library_name(source: Path = SOURCE) -> str:
 
 
 def load():
-    """The compiled kernels of cpu_kernels.cpp (see `build`)."""
+    """The compiled kernels of csrc/kernels.cpp (see `build`)."""
     return build(SOURCE)
 
 
 @cache
 def build(source: Path):
     """The compiled `source`, imported from the environment's extensions folder, and compiled there first when
-    missing (about 20 s; concurrent builders wait for one). None where it cannot be built."""
+    missing (concurrent builders wait for one). None where it cannot be built."""
     from pipeline.core.environment import extensions_dir
 
     name = library_name(source)

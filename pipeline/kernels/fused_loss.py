@@ -1,15 +1,14 @@
 """The causal-LM loss without the full-vocabulary logits: the output head and the cross-entropy fused, a chunk of
 positions at a time, only at positions whose label counts, the gradient computed in the same pass.
 
-transformers computes `lm_head` on every position, upcasts the (tokens x vocabulary) logits to fp32, keeps them for
-the backward pass and runs log-softmax forward and backward over them: on a 128k vocabulary at 8k tokens that is
-4 GB held per micro-batch and several passes over it. Here each chunk's logits live only while its loss and its
-gradient (softmax - one-hot) are computed; the backward pass just scales what the forward pass kept (the gradient
-for the hidden states, and for a trained head its weight's). The loss is the same mean cross-entropy over the
-labelled positions, the same arithmetic in a different summation order (tests/test_fused_loss.py). On a CPU, in bf16
-or fp32, each row's softmax cross-entropy is one C++ pass (pipeline/kernels/cpp.py) that writes the gradient over
-the row's logits, where PyTorch's operators make seven passes over the chunk (upcast, max, subtract, exp, sum,
-divide, downcast)."""
+transformers computes `lm_head` on every position, upcasts the (tokens x vocabulary) logits to fp32, keeps them for the
+backward pass and runs log-softmax forward and backward over them, several passes over it (figures: docs/kernels.md).
+Here each chunk's logits live only while its loss and its gradient (softmax - one-hot) are computed; the backward pass
+just scales what the forward pass kept (the gradient for the hidden states, and for a trained head its weight's). The
+loss is the same mean cross-entropy over the labelled positions, the same arithmetic in a different summation order
+(tests/unit/kernels/test_fused_loss.py). On a CPU, in bf16 or fp32, each row's softmax cross-entropy is one C++ pass
+(pipeline/kernels/cpp.py) that writes the gradient over the row's logits, where PyTorch's operators make seven passes
+over the chunk (upcast, max, subtract, exp, sum, divide, downcast)."""
 
 from __future__ import annotations
 
@@ -20,14 +19,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from pipeline.data.batches import shifted
 from pipeline.data.dataset import IGNORE_INDEX
-from pipeline.kernels import cpp as cpu_kernels
+from pipeline.kernels import cpp
 from pipeline.kernels.linear import matmul_nt
 
 # Bytes of logits per chunk (in the head's dtype), by device. The chunk is memory the step holds on top of its
-# activations, and each chunk streams the whole head weight from memory twice (its two matmuls): on this CPU
-# (SmolLM2's 49k vocabulary, 512 positions, one core) the fused loss takes 695 / 624 ms in fp32 with 16 / 32 MB
-# chunks (85 / 170 rows), 379 / 320 ms in bf16 with 8 / 32 MB. A GPU needs a few hundred rows (Llama-3's 128k
-# vocabulary in bf16: 512 rows per 128 MB).
+# activations, and each chunk streams the whole head weight from memory twice (its two matmuls): a CPU gains from
+# fewer, larger chunks; a GPU needs a few hundred rows per chunk to compute at full rate (figures: docs/kernels.md).
 CHUNK_BYTES = {"cpu": 2**25, "cuda": 2**27}
 
 
@@ -60,7 +57,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        compiled = cpu_kernels.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
+        compiled = cpp.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
         for start in range(0, n, rows):
             h, t = hidden[start : start + rows], targets[start : start + rows]
             logits = matmul_nt(h, weight)  # as transformers: the head in the module's dtype, then (here per row) upcast

@@ -1,20 +1,18 @@
 """The SwiGLU MLP and the RMSNorm of LLaMA-style decoders, computing what transformers' do with less kept for the
-backward pass: on a CPU (bf16, fp32) each as one C++ pass forward and one backward (pipeline/kernels/cpp.py),
-elsewhere with PyTorch's operators, bit for bit transformers' losses and gradients (tests/test_lean_layers.py).
+backward pass: on a CPU (bf16, fp32) each as one C++ pass forward and one backward (pipeline/kernels/cpp.py), elsewhere
+with PyTorch's operators, bit for bit transformers' losses and gradients (tests/unit/kernels/test_lean_layers.py).
 
 - MLP, `down(silu(gate(x)) * up(x))`: autograd keeps gate(x) (for SiLU's gradient), silu(gate(x)) and up(x) (for the
-  product's), three tensors of tokens x intermediate size per layer, the largest part of a LoRA step's activations
-  (Llama-3-8B: 117 MB each per layer and 4k tokens in bf16). Here silu(gate(x)) is recomputed in the backward pass
-  from gate(x), one elementwise pass; the product's two gradients and aten's silu_backward are then autograd's.
+  product's), three tensors of tokens x intermediate size per layer, the largest part of a LoRA step's activations.
+  Here silu(gate(x)) is recomputed in the backward pass from gate(x), one elementwise pass; the product's two
+  gradients and aten's silu_backward are then autograd's.
 - RMSNorm, `weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)` with x32 = x in fp32: autograd keeps x32, twice the
   size of a bf16 x, for each of the 2 norms per layer. Here x is kept, and its fp32 copy made again in the backward
   pass, which applies autograd's own derivative formulas in autograd's order (same speed). With PyTorch's
   operators only norms in a 16-bit dtype (in fp32 the copy is x itself); on a CPU every norm, for the kernels.
 - The C++ passes round bf16 results where PyTorch's operators round them, and compute the same formulas: the
   SwiGLU product and its gradients (exp within 2 ulp) and the RMSNorm (another summation order) within fp32's
-  rounding of the operators' results, in bf16 mostly bit for bit. On this AMD EPYC, 2 x 256 tokens, one core:
-  SwiGLU forward 0.47 -> 0.35 ms and backward 1.49 -> 0.59 ms in fp32 (0.58 -> 0.51, 1.25 -> 0.75 in bf16); a norm's
-  forward and backward 1.5 -> 0.13 ms in fp32 (0.95 -> 0.29 in bf16)."""
+  rounding of the operators' results, in bf16 mostly bit for bit (figures: docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -23,14 +21,14 @@ from types import MethodType
 import torch
 import torch.nn.functional as F
 
-from pipeline.kernels import cpp as cpu_kernels
+from pipeline.kernels import cpp
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _kernels(x: torch.Tensor):
     """The C++ kernels where they compute `x`'s layer: on a CPU, in bf16 or fp32, and built; else None."""
-    return cpu_kernels.load() if x.device.type == "cpu" and x.dtype in KERNEL_DTYPES else None
+    return cpp.load() if x.device.type == "cpu" and x.dtype in KERNEL_DTYPES else None
 
 
 class _SiluTimesUp(torch.autograd.Function):

@@ -1,12 +1,11 @@
 """Frozen fp32 Linear layers on a CPU through oneDNN's matmul instead of MKL's sgemm, which PyTorch calls for fp32.
 
-A LoRA step in fp32 on a CPU is 80% matmuls through frozen weights (the forward pass and the backward pass's input
-gradients). On this AMD EPYC (Zen 4, AVX-512) MKL runs the decoder's shapes at 86-100 GFLOP/s and the output
-head's at 62-78; oneDNN's matmul (PyTorch's `mkldnn::_linear_pointwise`, an inference op) at 104-111 and 90, the
-core's fp32 peak: 4.0 -> 3.45 s per 2 x 256-token step of SmolLM2-135M. bf16 matmuls already go to oneDNN.
+A LoRA step in fp32 on a CPU is mostly matmuls through frozen weights (the forward pass and the backward pass's
+input gradients); oneDNN's matmul (PyTorch's `mkldnn::_linear_pointwise`, an inference op) runs them nearer the
+core's fp32 peak than MKL's sgemm (figures: docs/kernels.md). bf16 matmuls already go to oneDNN.
 
 It is the same product in another summation order: outputs within fp32 rounding of MKL's, as far from an fp64
-reference (tests/test_cpu_linear.py). A layer keeps what nn.Linear keeps for its backward pass (the weight, no
+reference (tests/unit/kernels/test_linear.py). A layer keeps what nn.Linear keeps for its backward pass (the weight, no
 activation): dX = dY W, the same matmul with the weight transposed in place. Trained layers (LoRA's A and B,
 modules_to_save) stay nn.Linear."""
 

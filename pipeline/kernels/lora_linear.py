@@ -1,15 +1,15 @@
 """A PEFT LoRA Linear layer's training step as one autograd function: y = x W^T + b + s (x_d A^T) B^T, with x_d
 LoRA's dropout of x (x itself without dropout).
 
-PEFT computes the branch as separate operators, lora_B(lora_A(x_d)) * s, then adds it to the base's output; its
-backward scales the gradient, runs both layers' backward passes and adds the branch's input gradient to the base's:
-four passes over (tokens x width) tensors per layer and step besides the matmuls, and their temporaries. Here the
-branch is added into the base's output by one matmul (addmm, alpha = s), and in the backward pass s scales the
-(tokens x r) product only and the branch's input gradient is added into the base's by one matmul. The same
-products in another order: within rounding of PEFT's (tests/test_lora_linear.py). It keeps what PEFT keeps (x_d
-for A's gradient, x_d A^T for B's; the frozen weight), and the base's matmuls are pipeline/cpu_linear's. Anything
-else (DoRA, several or merged or disabled adapters, mixed dtypes, a trained base) runs PEFT's own forward. Not under
-ZeRO-3, whose hooks gather each layer's weights only when that layer is called."""
+PEFT computes the branch as separate operators, lora_B(lora_A(x_d)) * s, then adds it to the base's output; its backward
+scales the gradient, runs both layers' backward passes and adds the branch's input gradient to the base's: four passes
+over (tokens x width) tensors per layer and step besides the matmuls, and their temporaries. Here the branch is added
+into the base's output by one matmul (addmm, alpha = s), and in the backward pass s scales the (tokens x r) product only
+and the branch's input gradient is added into the base's by one matmul. The same products in another order: within
+rounding of PEFT's (tests/unit/kernels/test_lora_linear.py). It keeps what PEFT keeps (x_d for A's gradient, x_d A^T for
+B's; the frozen weight), and the base's matmuls are `linear.matmul_nt`'s. Anything else (DoRA, several or merged or
+disabled adapters, mixed dtypes, a trained base) runs PEFT's own forward. Not under ZeRO-3, whose hooks gather each
+layer's weights only when that layer is called."""
 
 from __future__ import annotations
 

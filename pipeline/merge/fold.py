@@ -253,7 +253,7 @@ HEADS = ("lm_head.weight", "embed_out.weight")
 
 def _embedding_names(base_dir: Path, config: dict, base: dict[str, FileTensor]) -> tuple[str, str, bool]:
     """(input embedding weight, output embedding weight, tied): the usual names, else from the architecture
-    (importing transformers costs ~150 MB, which the merge otherwise never needs)."""
+    (importing transformers costs memory the merge otherwise never spends)."""
     embed = next((name for name in EMBEDDINGS if name in base), None)
     head = next((name for name in HEADS if name in base), None)
     if embed is not None:

@@ -1,11 +1,10 @@
 """A model's outline: the paths of its modules, which of them are Linear layers, and which is the output head. It is
 what LoRA's targets are checked and resolved against before the ranks load anything.
 
-prepare_base writes it beside the weights (FILE, with the digest of the config it describes). The train stage reads
-it instead of building the architecture on the meta device, which imports transformers' model code: 1.2 s alone,
-2.6 s on 2 cores shared with the ranks' own imports (bf16 text on bench.train's settings, the stage alone: 0.7 s of
-its wall time). A base without it (written by other means, or with a config edited since) is outlined from its
-architecture."""
+prepare_base writes it beside the weights (FILE, with the digest of the config it describes). The train stage reads it
+instead of building the architecture on the meta device, which imports transformers' model code on the cores the ranks
+import theirs on (figures: docs/training.md). A base without it (written by other means, or with a config edited since)
+is outlined from its architecture."""
 
 from __future__ import annotations
 

@@ -30,9 +30,9 @@ RELEASE_FD = "TRAIN_RELEASE_FD"  # the pipe a rank started ahead of its launch w
 class Ranks:
     """This node's ranks, started as DeepSpeed's launcher starts them for one node (RANK, LOCAL_RANK, WORLD_SIZE,
     LOCAL_SIZE, MASTER_ADDR/PORT, --local_rank), each then waiting in `released()` until the stage releases them:
-    they import torch, DeepSpeed and transformers while the stage still checks the run (bench.train, bf16 text:
-    wall 18.3-18.7 -> 17.2-18.3 s). Skips the `deepspeed` runner and its `launch` module, two more interpreters
-    importing DeepSpeed one after the other (about 3 s per launch), and their 1 s polling."""
+    they import torch, DeepSpeed and transformers while the stage still checks the run. Skips the `deepspeed`
+    runner and its `launch` module, two more interpreters importing DeepSpeed one after the other, and their polling
+    (figures: docs/training.md)."""
 
     def __init__(self, command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int):
         common = {**env, "WORLD_SIZE": str(ranks), "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
@@ -125,8 +125,7 @@ def leave_process_group() -> None:
 def exit_rank() -> None:
     """End a finished rank without the interpreter's teardown: every output is written and closed by then, and the
     teardown is where C++ threads still alive (gloo's, bitsandbytes' CPU kernels under load) abort the process
-    ("terminate called without an active exception", exit -6), failing a launch whose work was all done (seen
-    once in a full test run, QLoRA on 2 CPU ranks, after leave_process_group)."""
+    ("terminate called without an active exception", exit -6), failing a launch whose work was all done."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -137,7 +136,7 @@ SHM = Path("/dev/shm")
 
 def remove_stale_shm_buffers() -> list[Path]:
     """Delete the shared-memory files DeepSpeed's CPU all-reduce left behind. Every rank of a CPU launch creates
-    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (about 69 MB, in RAM) and DeepSpeed never removes it:
+    /dev/shm/deepspeed_allreduce_buffer_UID_ADDR_PORT_RANK (in RAM) and DeepSpeed never removes it:
     a few dozen launches fill the machine's memory. A file is stale when its launch is over, that is when nothing
     listens on its rendezvous port here any more."""
     removed = []
@@ -160,7 +159,7 @@ def _port_free(port: int) -> bool:
 
 def build_ops() -> None:
     """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
-    and our own CPU kernels and allocator (pipeline/kernels/cpp.py), so that no stage pays for it or can be killed in
+    and our own CPU kernels and allocator (pipeline/kernels/csrc/), so that no stage pays for it or can be killed in
     the middle of it (`make setup` runs this)."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
@@ -169,11 +168,10 @@ def build_ops() -> None:
 
     for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
         builder.load(verbose=False)
-    from pipeline.kernels import allocator as cpu_allocator
-    from pipeline.kernels import cpp as cpu_kernels
+    from pipeline.kernels import allocator, cpp
 
-    cpu_kernels.load()
-    cpu_kernels.build(cpu_allocator.SOURCE)
+    cpp.load()
+    cpp.build(allocator.SOURCE)
 
 
 if __name__ == "__main__":
