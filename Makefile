@@ -71,7 +71,7 @@ bench: run ## benchmarks against the tools users would otherwise use
 	python -m bench.variants
 	python -m bench.gpu_train
 
-scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk)
+scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk; its smoke mode runs in make test)
 	python -m bench.scale_check
 
 lock: setup ## re-pin constraints.txt from the current .venv

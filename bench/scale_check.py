@@ -9,6 +9,7 @@ train did before) is started with 2 ranks inside a memory cgroup the size of thi
 that it cannot run here. Writes metrics/scale_check.json in the check's copy of the project and prints the table.
 
     python -m bench.scale_check [--workdir DIR]
+    python -m bench.scale_check --smoke       # the same path on a tiny model, no cgroup (make test runs it)
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ SHAPE = {  # Llama-3.2-3B
     "hidden_size": 3072, "num_hidden_layers": 28, "intermediate_size": 8192, "num_attention_heads": 24,
     "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True, "max_position_embeddings": 2048,
     "rope_theta": 500000.0,
+}  # fmt: skip
+SMOKE_SHAPE = {
+    "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "vocab_size": 49152, "tie_word_embeddings": True, "max_position_embeddings": 2048,
 }  # fmt: skip
 OVERRIDES = [
     "experiment=tiny", "deepspeed=zero3", "train.precision=bf16", "launcher.ranks_per_node=2", "merge.dtype=bf16",
@@ -84,7 +89,7 @@ def write_random_llama(out: Path, tokenizer_dir: Path, seed: int = 0, shape: dic
 def stage_commands(project: Path) -> list[tuple[str, str]]:
     """(stage, command) in the order `dvc repro` runs them, from its dry run."""
     dry = sh(["dvc", "repro", "--dry", "--force"], project).stdout
-    return re.findall(r"Running stage '(\w+)':\n> (.+)", dry)
+    return re.findall(r"Running stage '([\w@.-]+)':\n> (.+)", dry)  # eval_set@NAME too
 
 
 def old_loading_path(base: Path, limit_bytes: int) -> dict:
@@ -136,16 +141,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "scale-check")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model: the same stages, in a few minutes")
     args = parser.parse_args(argv)
     os.environ.update(with_venv_path())  # the stage commands call `python`, `deepspeed`
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    base = work / "llama_3b_random"
+    base = work / ("llama_tiny_random" if args.smoke else "llama_3b_random")
     if not (base / safetensors_stream.INDEX).is_file():
         start = time.perf_counter()
         gguf = resolve(read_yaml(REPO / "conf/model/smollm2_135m.yaml")["path"])
         load_tokenizer(gguf.parent, gguf_file=gguf.name).save_pretrained(str(work / "tokenizer"))
-        parameters = write_random_llama(base, work / "tokenizer")
+        parameters = write_random_llama(base, work / "tokenizer", shape=SMOKE_SHAPE if args.smoke else None)
         print(f"scale-check: {parameters / 1e9:.2f} B parameters in {base} ({time.perf_counter() - start:.0f} s)")
     parameters = sum(math.prod(t.shape) for t in model_files.model_tensors(base).values())
     project = work / "project"
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scale-check: {stage:<18} {seconds:8.1f} s {peak_mb:10.0f} MB", flush=True)
     train = read_json(project / "metrics/train.json")
     merge = read_json(project / "metrics/merge.json")
-    old = old_loading_path(base, int(psutil.virtual_memory().available * 0.9))
+    old = {"skipped": "--smoke"} if args.smoke else old_loading_path(base, int(psutil.virtual_memory().available * 0.9))
     result = {
         "parameters": parameters,
         "bf16_model_gb": round(2 * parameters / 1e9, 2),
