@@ -32,25 +32,31 @@ def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[i
     return [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
-def tokenize_documents(tokenizer, documents: list[str]) -> tuple[np.ndarray, int]:
+DOCUMENTS_PER_CHUNK = 4096  # documents encoded at a time: their Python token lists live only for one chunk
+
+
+def tokenize_documents(tokenizer, documents: list[str], *, chunk: int = DOCUMENTS_PER_CHUNK) -> tuple[np.ndarray, int]:
     """Concatenate every document's tokens (with the tokenizer's BOS where it adds one) plus EOS; returns
-    the flat int32 stream and the document count."""
+    the flat int32 stream and the document count. Encoded `chunk` documents at a time into int32 arrays, so that
+    the stream costs 4 bytes a token, not a Python list of ints per document; the same stream for any `chunk`."""
     eos = tokenizer.eos_token_id
-    pieces = encode(tokenizer, documents, add_special_tokens=True)
-    lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
-    flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32, count=int(lengths.sum()))
-    if eos is None:
-        return flat, len(pieces)
-    ends = np.cumsum(lengths)
-    return np.insert(flat, ends, eos).astype(np.int32), len(pieces)
+    ends = () if eos is None else (eos,)
+    parts = []
+    for start in range(0, len(documents), chunk):
+        pieces = encode(tokenizer, documents[start : start + chunk], add_special_tokens=True)
+        count = sum(map(len, pieces)) + len(ends) * len(pieces)
+        tokens = chain.from_iterable(chain(piece, ends) for piece in pieces)
+        parts.append(np.fromiter(tokens, dtype=np.int32, count=count))
+    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), len(documents)
 
 
 def pack_blocks(stream: np.ndarray, *, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Cut the token stream into [n, block_size] inputs and labels; the tail is dropped or padded (label -100)."""
+    """Cut the token stream into [n, block_size] inputs and labels; the tail is dropped or padded (label -100).
+    Without a padded tail the labels are the inputs themselves (one array, a view of the stream)."""
     full = len(stream) // block_size
     rest = len(stream) - full * block_size
     inputs = stream[: full * block_size].reshape(full, block_size)
-    labels = inputs.copy()
+    labels = inputs
     if tail == "pad" and rest:
         last = np.full(block_size, pad_id, dtype=np.int32)
         last[:rest] = stream[-rest:]
@@ -137,9 +143,11 @@ def to_table(inputs, labels) -> pa.Table:
     """Arrow table with int32 input_ids/labels: fixed-size lists for blocks, variable lists for SFT."""
     if isinstance(inputs, np.ndarray):
         width = inputs.shape[1]
+        ids = pa.FixedSizeListArray.from_arrays(pa.array(inputs.ravel(), pa.int32()), width)
+        same = labels is inputs  # packed text without a padded tail: one array serves both columns
         columns = {
-            "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(inputs.ravel(), pa.int32()), width),
-            "labels": pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel(), pa.int32()), width),
+            "input_ids": ids,
+            "labels": ids if same else pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel(), pa.int32()), width),
         }
     else:
         rows = pa.list_(pa.int32())
@@ -220,7 +228,7 @@ def build_pretraining(
         "tokens_dropped": int(len(stream) % block_size) if tail == "drop" else 0,
         "train_rows": int(len(train)),
         "validation_rows": int(len(val)),
-        "masked_fraction": masked_fraction(labels[train]),
+        "masked_fraction": 0.0 if labels is inputs else masked_fraction(labels[train]),
     }
     if token_sources is not None:
         per_token, n_sources = token_sources
@@ -228,7 +236,13 @@ def build_pretraining(
             raise AssertionError(f"{len(per_token)} token sources for a stream of {len(stream)} tokens")
         blocks, _ = pack_blocks(per_token.astype(np.int32), block_size=block_size, tail=tail, pad_id=-1)
         stats["source_tokens"] = source_tokens(blocks[train], n_sources)
-    return {"train": to_table(inputs[train], labels[train]), "validation": to_table(inputs[val], labels[val])}, stats
+    return {"train": _rows(inputs, labels, train), "validation": _rows(inputs, labels, val)}, stats
+
+
+def _rows(inputs: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> pa.Table:
+    """The table of the blocks at `indices`, copied once where the labels are the inputs."""
+    rows = inputs[indices]
+    return to_table(rows, rows if labels is inputs else labels[indices])
 
 
 def _take(rows: list, indices: np.ndarray) -> list:

@@ -27,6 +27,16 @@ def smol(smol_tokenizer_dir):
     return load_tokenizer(smol_tokenizer_dir)
 
 
+def test_the_stream_does_not_depend_on_the_chunk_of_documents_encoded_at_once(smol, peoples_daily):
+    documents = peoples_daily[:150]
+    whole, n_docs = tokenize_documents(smol, documents, chunk=len(documents))
+    for chunk in (1, 7, 64):
+        stream, count = tokenize_documents(smol, documents, chunk=chunk)
+        assert count == n_docs and stream.dtype == np.int32 and np.array_equal(stream, whole)
+    empty, none = tokenize_documents(smol, [])
+    assert none == 0 and empty.dtype == np.int32 and empty.size == 0
+
+
 @pytest.mark.parametrize("tail", ["drop", "pad"])
 def test_packing_loses_and_duplicates_no_token(smol, peoples_daily, tail):
     documents = peoples_daily[:200]
