@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.core import assets, config
 from pipeline.core.atomic import write_json
+from pipeline.data import verified
 from pipeline.data.textio import read_data
 from stages._common import run
 
@@ -47,17 +48,25 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         errors.append(f"model.path: {err}")
     if cfg.train.resume_from and not (Path(cfg.train.resume_from) / "latest").is_file():
         errors.append(f"train.resume_from: {cfg.train.resume_from} holds no checkpoint ('latest' missing)")
+    known, seen = verified.load(args.memo) if args.memo else set(), set()
     for key, path, data_format in inputs(cfg):
         if produced(path, args.produced):
             continue
+        data_format = "text" if data_format == "texts" and not path.endswith(".jsonl") else data_format
+        if (file := verified.identity(path, data_format)) in known:
+            seen.add(file)  # unchanged since it was read and found valid
+            continue
         try:
-            check_file(key, path, "text" if data_format == "texts" and not path.endswith(".jsonl") else data_format)
+            check_file(key, path, data_format)
+            seen.add(file)
         except ValueError as err:
             errors.append(str(err))
     for warning in warnings:
         print(f"check: warning: {warning}")
     if errors:
         raise ValueError("\n".join(dict.fromkeys(errors)))
+    if args.memo:
+        verified.save(args.memo, known | seen)
     write_json(args.out, {"checked": "params.yaml and the input files it names"})
     print("check: the configuration and its input files are fine")
 
@@ -67,4 +76,5 @@ if __name__ == "__main__":
     parser.add_argument("--conf", type=Path, default=Path("conf"), help="the config groups (their defaults)")
     parser.add_argument("--produced", type=Path, nargs="*", default=[], help="folders earlier stages write")
     parser.add_argument("--out", type=Path, required=True, help="written when every check passed")
+    parser.add_argument("--memo", type=Path, help="input files already verified (by size and time): not read again")
     run(main, parser)
