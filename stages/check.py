@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.core import assets, config
 from pipeline.core.atomic import write_json
 from pipeline.data import verified
-from pipeline.data.textio import read_data
+from pipeline.data.textio import verify
 from stages._common import run
 
 
@@ -21,7 +21,7 @@ def produced(path: str, outputs: list[Path]) -> bool:
 def check_file(key: str, path: str, data_format: str) -> None:
     """`path` read as the stage that uses it will: text lines, or JSONL rows of the format's fields."""
     try:
-        read_data(path, data_format)
+        verify(path, data_format)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{key}: {err}") from None
 

@@ -31,23 +31,56 @@ def read_jsonl(path: Path | str, required: tuple[str, ...]) -> list[dict]:
     """Parse JSONL objects, each holding every `required` field."""
     rows = []
     for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-        missing = [field for field in required if field not in row]
-        if missing:
-            raise ValueError(f"{path}:{number}: missing field(s) {', '.join(repr(m) for m in missing)}")
-        if "messages" in required and not _valid_messages(row["messages"]):
-            raise ValueError(
-                f'{path}:{number}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
-            )
-        rows.append(row)
+        if line.strip():
+            rows.append(_check_row(path, number, line, required))
     return rows
+
+
+def _check_row(path: Path | str, number: int, line: str, required: tuple[str, ...]) -> dict:
+    """Line `number` of a JSONL file as an object holding every `required` field."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+    missing = [field for field in required if field not in row]
+    if missing:
+        raise ValueError(f"{path}:{number}: missing field(s) {', '.join(repr(m) for m in missing)}")
+    if "messages" in required and not _valid_messages(row["messages"]):
+        raise ValueError(
+            f'{path}:{number}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
+        )
+    return row
+
+
+def verify(path: Path | str, data_format: str) -> int:
+    """`read_data`'s checks, with its errors, a line at a time (memory of one line, not of the file); how many
+    documents or rows the file holds."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: data file not found")
+    required = REQUIRED_FIELDS.get(data_format, ())
+    count, number, offset = 0, 0, 0
+    with path.open("rb") as file:
+        for newline, raw in enumerate(file):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{newline + 1}: invalid UTF-8 (byte offset {offset + err.start}); expected UTF-8 text"
+                ) from None
+            offset += len(raw)
+            for line in text.splitlines():  # str.splitlines' line breaks, as the readers number lines
+                number += 1
+                if not line.strip():
+                    continue
+                count += 1
+                if data_format != "text":
+                    _check_row(path, number, line, required)
+    if count == 0:
+        raise ValueError(f"{path}: data file is empty")
+    return count
 
 
 def _valid_messages(messages: object) -> bool:
