@@ -1,16 +1,20 @@
-"""Stage cache_dataset: tokenize and pack the training data (one file, or a weighted mix of `data.sources`) into an
-Arrow dataset (train/validation)."""
+"""Stage cache_dataset: tokenize and pack the training data (one file, folder or glob, streamed in bounded memory by
+every core, resumably; or a weighted mix of `data.sources`) into an Arrow dataset (train/validation)."""
 
 import argparse
+import os
+import shutil
 import time
 from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json, write_json
-from pipeline.data import assembly
+from pipeline.data import assembly, streamed
 from pipeline.data.dataset import save_splits
 from pipeline.data.tokenizer import load_tokenizer
 from stages._common import run
+
+CHUNK_CHARS = 4_000_000  # characters of input per part: what a worker holds, and what a kill can lose
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -26,18 +30,27 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     )
     assembly.check_length(packing, read_json(args.base_config)["max_position_embeddings"])
     tokenizer = load_tokenizer(args.tokenizer)
+    workers = args.workers or len(os.sched_getaffinity(0))
+    work = args.out.with_name(f".{args.out.name}.parts")
     start = time.perf_counter()
-    tables, stats = assembly.build(
-        tokenizer,
-        sources=d.sources,
-        train_file=d.train_file,
-        heldout_file=d.heldout_file,
-        heldout_fraction=d.heldout_fraction,
-        packing=packing,
-    )
-    seconds = time.perf_counter() - start
     with atomic_path(args.out) as tmp:
-        save_splits(tmp, tables)
+        if d.sources:
+            tables, stats = assembly.build_mix(tokenizer, d.sources, packing)
+            save_splits(tmp, tables)
+        else:
+            stats = streamed.build(
+                tmp,
+                tokenizer=tokenizer,
+                tokenizer_dir=args.tokenizer,
+                train_file=d.train_file,
+                heldout_fraction=d.heldout_fraction if d.heldout_file == d.train_file else None,
+                packing=packing,
+                work=work,
+                workers=workers,
+                chunk_chars=args.chunk_chars,
+            )
+    shutil.rmtree(work, ignore_errors=True)
+    seconds = time.perf_counter() - start
     metrics = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
     write_json(args.metrics, metrics)
     for name, share in stats.pop("sources", {}).items():
@@ -56,4 +69,8 @@ if __name__ == "__main__":
     parser.add_argument("--base-config", type=Path, required=True, help="base model config.json")
     parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
+    parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")
+    parser.add_argument(
+        "--chunk-chars", type=int, default=CHUNK_CHARS, help="characters per part (the output does not depend on it)"
+    )
     run(main, parser, prefix="dataset")

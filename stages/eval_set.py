@@ -4,27 +4,34 @@ into the folder evaluate depends on. Declaring a set in the config is enough: th
 import argparse
 import json
 import shutil
+from itertools import islice
 from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path
-from pipeline.data.textio import held_out, read_data
+from pipeline.data.inputs import items, kind
+from pipeline.data.textio import held_out_count, verify
 from stages._common import run
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     source, d = Path(args.file), cfg.data
+    data_format = "jsonl" if kind(source) == "jsonl" else "text"
     try:
-        items = read_data(source, "text" if source.suffix != ".jsonl" else "jsonl")
+        count = verify(source, data_format)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"eval.sets.{args.name}: {err}") from None
     with atomic_path(args.out) as tmp:
         tmp.mkdir()
         if args.file == d.train_file == d.heldout_file:  # the training file's held-out part, never trained on
-            part = held_out(items, d.heldout_fraction)[1]
-            lines = part if source.suffix != ".jsonl" else [json.dumps(row, ensure_ascii=False) for row in part]
-            (tmp / source.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-            print(f"eval_set: {args.name} = the last {len(part)} item(s) of {source} (held out from training)")
+            held = held_out_count(count, d.heldout_fraction)
+            with (tmp / source.name).open("w", encoding="utf-8") as out:
+                for item in islice(items(source, data_format), count - held, None):  # streamed: one item held
+                    out.write((item if data_format == "text" else json.dumps(item, ensure_ascii=False)) + "\n")
+            print(f"eval_set: {args.name} = the last {held} item(s) of {source} (held out from training)")
+        elif source.is_dir():
+            shutil.copytree(source, tmp / source.name)
+            print(f"eval_set: {args.name} = {source}/")
         else:
             shutil.copy2(source, tmp / source.name)
             print(f"eval_set: {args.name} = {source}")

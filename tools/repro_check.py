@@ -27,10 +27,13 @@ MEASURED = {
     "artifacts/checkpoints": "trainer_state.json records wall-clock seconds; the adapter consolidated from it is "
     "compared by hash instead",
     "metrics/train.json": "tokens/s, seconds, peak memory and MFU are measurements; every other figure is compared",
+    "metrics/dataset.json": "tokens/s per core, seconds and the worker count are measurements; every other figure is "
+    "compared",
 }
 MEASUREMENT_KEYS = (
     "tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu", "peak_memory_mb_per_rank",
     "peak_gpu_memory_mb", "peak_gpu_memory_mb_per_rank", "load_before_mb_per_rank", "load_peak_mb_per_rank",
+    "tokens_per_second_per_core", "tokenize_seconds", "workers", "parts_reused",
 )  # fmt: skip
 
 
@@ -82,7 +85,7 @@ def compare(first: Path, second: Path) -> tuple[list[str], list[str]]:
         differences.append(f"dvc.lock lists other outputs: {sorted(a.keys() ^ b.keys())}")
     for stage, path in sorted(a.keys() & b.keys()):
         if path in MEASURED:
-            same = path != "metrics/train.json" or _without_measurements(first / path) == _without_measurements(
+            same = not path.endswith(".json") or _without_measurements(first / path) == _without_measurements(
                 second / path
             )
             report.append(f"{stage:<18} {path:<34} {'same' if same else 'DIFFERENT'} (not by hash: {MEASURED[path]})")

@@ -1,5 +1,5 @@
-"""The training data as configured: one file (less its held-out part) or a weighted mix of sources, tokenized, packed
-and split into train/validation tables."""
+"""How the training data is packed (`Packing`) and the weighted mix of `data.sources`, built in memory; one training
+file (of any size) is streamed instead (`streamed`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from pipeline.data import mixing
-from pipeline.data.dataset import build_instruction, build_pretraining
-from pipeline.data.textio import held_out, read_data
 
 
 @dataclass(frozen=True)
@@ -34,12 +32,6 @@ def check_length(packing: Packing, positions: int) -> None:
         raise ValueError(f"{key}: {length} exceeds the model's max_position_embeddings ({positions})")
 
 
-def training_items(*, train_file: str, data_format: str, heldout_file: str, heldout_fraction: float) -> list:
-    """The training file's documents (or rows), less the held-out part when it is also the held-out file."""
-    items = read_data(train_file, data_format)
-    return held_out(items, heldout_fraction)[0] if heldout_file == train_file else items
-
-
 def build_mix(tokenizer, sources: list, packing: Packing) -> tuple[dict[str, pa.Table], dict]:
     """The weighted mix of `data.sources` entries (every file read and checked before any tokenizing)."""
     p = packing
@@ -59,36 +51,6 @@ def build_mix(tokenizer, sources: list, packing: Packing) -> tuple[dict[str, pa.
         tokenizer,
         resolved,
         contents,
-        template=p.template,
-        max_seq_len=p.max_seq_len,
-        validation_fraction=p.validation_fraction,
-        seed=p.seed,
-    )
-
-
-def build(
-    tokenizer, *, sources: list, train_file: str, heldout_file: str, heldout_fraction: float, packing: Packing
-) -> tuple[dict[str, pa.Table], dict]:
-    """The train/validation tables and their statistics: of the mix of `sources` where there are any, else of the
-    training file."""
-    p = packing
-    if sources:
-        return build_mix(tokenizer, sources, p)
-    items = training_items(
-        train_file=train_file, data_format=p.data_format, heldout_file=heldout_file, heldout_fraction=heldout_fraction
-    )
-    if p.data_format == "text":
-        return build_pretraining(
-            tokenizer,
-            items,
-            block_size=p.block_size,
-            tail=p.tail,
-            validation_fraction=p.validation_fraction,
-            seed=p.seed,
-        )
-    return build_instruction(
-        tokenizer,
-        items,
         template=p.template,
         max_seq_len=p.max_seq_len,
         validation_fraction=p.validation_fraction,

@@ -35,19 +35,24 @@ def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[i
 DOCUMENTS_PER_CHUNK = 4096  # documents encoded at a time: their Python token lists live only for one chunk
 
 
-def tokenize_documents(tokenizer, documents: list[str], *, chunk: int = DOCUMENTS_PER_CHUNK) -> tuple[np.ndarray, int]:
-    """Concatenate every document's tokens (with the tokenizer's BOS where it adds one) plus EOS; returns
-    the flat int32 stream and the document count. Encoded `chunk` documents at a time into int32 arrays, so that
+def tokenize_documents(
+    tokenizer, documents: list[str], *, chunk: int = DOCUMENTS_PER_CHUNK
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate every document's tokens (with the tokenizer's BOS where it adds one) plus EOS; returns the flat
+    int32 stream and each document's token count. Encoded `chunk` documents at a time into int32 arrays, so that
     the stream costs 4 bytes a token, not a Python list of ints per document; the same stream for any `chunk`."""
     eos = tokenizer.eos_token_id
     ends = () if eos is None else (eos,)
-    parts = []
+    parts, lengths = [], []
     for start in range(0, len(documents), chunk):
         pieces = encode(tokenizer, documents[start : start + chunk], add_special_tokens=True)
-        count = sum(map(len, pieces)) + len(ends) * len(pieces)
+        sizes = np.fromiter(map(len, pieces), np.int32, count=len(pieces)) + len(ends)
         tokens = chain.from_iterable(chain(piece, ends) for piece in pieces)
-        parts.append(np.fromiter(tokens, dtype=np.int32, count=count))
-    return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)), len(documents)
+        parts.append(np.fromiter(tokens, dtype=np.int32, count=int(sizes.sum())))
+        lengths.append(sizes)
+    if not parts:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32)
+    return np.concatenate(parts), np.concatenate(lengths)
 
 
 def pack_blocks(stream: np.ndarray, *, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -216,7 +221,8 @@ def build_pretraining(
     """Pack documents into train/validation block tables; returns them and their statistics. With
     `token_sources` (the source index of every token of the stream, and the number of sources), the statistics
     also count the train split's tokens per source (`source_tokens`)."""
-    stream, n_docs = tokenize_documents(tokenizer, documents)
+    stream, lengths = tokenize_documents(tokenizer, documents)
+    n_docs = len(lengths)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs, labels = pack_blocks(stream, block_size=block_size, tail=tail, pad_id=pad_id if pad_id is not None else 0)
     if len(inputs) < 1:

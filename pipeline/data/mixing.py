@@ -13,13 +13,13 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.dataset import (
-    REQUIRED_FIELDS,
     build_pretraining,
     build_sft,
     encode,
     split_instruction,
 )
-from pipeline.data.textio import read_documents, read_jsonl
+from pipeline.data.inputs import data_files, kind, lines
+from pipeline.data.textio import read_data
 
 
 @dataclass(frozen=True)
@@ -44,23 +44,30 @@ def resolve(entries: list) -> list[Source]:
 def read_source(source: Source, key: str) -> list:
     """A source's documents (text) or rows (alpaca, chat), refused with the file and line when the file does not
     hold its format."""
-    if not source.file.is_file():
-        raise FileNotFoundError(f"{key}.file: {source.file} not found")
-    if source.format != "text":
-        return read_jsonl(source.file, REQUIRED_FIELDS[source.format])
-    documents = read_documents(source.file)
-    lines = source.file.read_text(encoding="utf-8").splitlines()
-    number = next(n for n, line in enumerate(lines, start=1) if line.strip())
     try:
-        is_object = isinstance(json.loads(lines[number - 1]), dict)
+        files = data_files(source.file)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{key}.file: {source.file} not found") from None
+    if source.format == "text":
+        for path in files:
+            refuse_json_text(path, key)
+    return read_data(source.file, source.format)
+
+
+def refuse_json_text(path: Path, key: str) -> None:
+    """A plain text file whose first line is a JSON object was meant as rows: say so, rather than train on JSON."""
+    if kind(path) != "text":
+        return
+    number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
+    try:
+        is_object = isinstance(json.loads(line), dict)
     except json.JSONDecodeError:
         is_object = False
     if is_object:
         raise ValueError(
-            f"{source.file}:{number}: a JSON object in a text source; expected plain text (one document per line), "
+            f"{path}:{number}: a JSON object in a text source; expected plain text (one document per line), "
             f"or {key}.format alpaca/chat"
         )
-    return documents
 
 
 def planned_shares(sources: list[Source]) -> np.ndarray:

@@ -1,125 +1,77 @@
-"""Strict readers for user-supplied text and JSONL files: errors name the file and the line."""
+"""Strict readers for user-supplied data paths (a file, a folder or a glob; see `inputs`): errors name the file and
+the line. `verify` and `held_out_count` stream; the `read_*` functions return lists, for the small files
+(evaluation and tokenizer sets) the stages that call them hold whole anyway."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from pathlib import Path
 
-
-def read_text(path: Path | str) -> str:
-    """Read a non-empty UTF-8 text file."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: data file not found")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[: err.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: invalid UTF-8 (byte offset {err.start}); expected UTF-8 text") from None
-    if not text.strip():
-        raise ValueError(f"{path}: data file is empty")
-    return text
+from pipeline.data.inputs import data_files, file_items, items, kind
 
 
-def read_documents(path: Path | str) -> list[str]:
-    """One document per non-blank line."""
-    return [line for line in (raw.strip() for raw in read_text(path).splitlines()) if line]
+def texts(spec: Path | str) -> Iterator[str]:
+    """Plain texts of a data path: documents of text files, every string field (and message) of JSONL or Parquet
+    rows."""
+    for path in data_files(spec):
+        if kind(path) == "text":
+            yield from file_items(path, "text")
+            continue
+        for row in file_items(path, "jsonl") if kind(path) == "jsonl" else _parquet_rows(path):
+            messages = row.get("messages") or []
+            yield from (m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+            yield from (v for v in row.values() if isinstance(v, str) and v)
 
 
-def read_jsonl(path: Path | str, required: tuple[str, ...]) -> list[dict]:
-    """Parse JSONL objects, each holding every `required` field."""
-    rows = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
-        if line.strip():
-            rows.append(_check_row(path, number, line, required))
-    return rows
+def _parquet_rows(path: Path) -> Iterator[dict]:
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(path).iter_batches():
+        yield from batch.to_pylist()
 
 
-def _check_row(path: Path | str, number: int, line: str, required: tuple[str, ...]) -> dict:
-    """Line `number` of a JSONL file as an object holding every `required` field."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-    missing = [field for field in required if field not in row]
-    if missing:
-        raise ValueError(f"{path}:{number}: missing field(s) {', '.join(repr(m) for m in missing)}")
-    if "messages" in required and not _valid_messages(row["messages"]):
-        raise ValueError(
-            f'{path}:{number}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
-        )
-    return row
+def stream(spec: Path | str, data_format: str) -> Iterator:
+    """The items of a data path as its format reads (`texts` for "texts", else `inputs.items`)."""
+    return texts(spec) if data_format == "texts" else items(spec, data_format)
 
 
-def verify(path: Path | str, data_format: str) -> int:
-    """`read_data`'s checks, with its errors, a line at a time (memory of one line, not of the file); how many
-    documents or rows the file holds."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: data file not found")
-    required = REQUIRED_FIELDS.get(data_format, ())
-    count, number, offset = 0, 0, 0
-    with path.open("rb") as file:
-        for newline, raw in enumerate(file):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{path}:{newline + 1}: invalid UTF-8 (byte offset {offset + err.start}); expected UTF-8 text"
-                ) from None
-            offset += len(raw)
-            for line in text.splitlines():  # str.splitlines' line breaks, as the readers number lines
-                number += 1
-                if not line.strip():
-                    continue
-                count += 1
-                if data_format != "text":
-                    _check_row(path, number, line, required)
+def verify(spec: Path | str, data_format: str) -> int:
+    """`read_data`'s checks, with its errors, an item at a time (memory of one line, not of the file); how many
+    documents or rows the path holds."""
+    count = sum(1 for _ in stream(spec, data_format))
     if count == 0:
-        raise ValueError(f"{path}: data file is empty")
+        raise ValueError(f"{spec}: data file is empty")
     return count
 
 
-def _valid_messages(messages: object) -> bool:
-    return (
-        isinstance(messages, list)
-        and bool(messages)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    )
+def read_data(spec: Path | str, data_format: str) -> list:
+    """A data path as its format reads: `text` documents (one per line), rows with the format's fields, or texts."""
+    found = list(stream(spec, data_format))
+    if not found:
+        raise ValueError(f"{spec}: data file is empty")
+    return found
 
 
-def read_texts(path: Path | str) -> list[str]:
-    """Plain texts of a data file: lines of a .txt, or every string field of a .jsonl's rows."""
-    if Path(path).suffix != ".jsonl":
-        return read_documents(path)
-    texts = []
-    for row in read_jsonl(path, ()):
-        messages = row.get("messages", [])
-        texts += [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
-        texts += [v for v in row.values() if isinstance(v, str) and v]
-    return texts
+def read_documents(spec: Path | str) -> list[str]:
+    """One document per non-blank line (or text field)."""
+    return read_data(spec, "text")
 
 
-REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "chat": ("messages",)}  # of each JSONL data format
+def read_texts(spec: Path | str) -> list[str]:
+    """Plain texts of a data path (see `texts`)."""
+    return read_data(spec, "texts")
+
+
+def held_out_count(count: int, fraction: float) -> int:
+    """How many of a file's `count` items are held out: the last `fraction` of them, at least one, never all."""
+    held = max(1, round(count * fraction))
+    if held >= count:
+        raise ValueError(f"data.heldout_fraction: {fraction} of {count} item(s) leaves nothing to train on")
+    return held
 
 
 def held_out(items: list, fraction: float) -> tuple[list, list]:
-    """(training part, held-out part) of a file's documents or rows: the last `fraction` of them (at least one) is
-    held out; how one file serves as both when no held-out file is given."""
-    count = max(1, round(len(items) * fraction))
-    if count >= len(items):
-        raise ValueError(f"data.heldout_fraction: {fraction} of {len(items)} item(s) leaves nothing to train on")
-    return items[:-count], items[-count:]
-
-
-def read_data(path: Path | str, data_format: str) -> list:
-    """A data file as its format reads: `text` documents (one per line), else JSONL rows with the format's fields."""
-    if data_format == "text":
-        return read_documents(path)
-    return read_jsonl(path, REQUIRED_FIELDS.get(data_format, ()))
+    """(training part, held-out part) of a file's documents or rows: the last `fraction` of them is held out; how
+    one file serves as both when no held-out file is given."""
+    held = held_out_count(len(items), fraction)
+    return items[:-held], items[-held:]

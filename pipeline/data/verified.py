@@ -8,16 +8,18 @@ import os
 from pathlib import Path
 
 from pipeline.core.atomic import atomic_path
+from pipeline.data.inputs import data_files
 
 
 def identity(path: str, data_format: str) -> str | None:
-    """What identifies `path`'s content for the check, read as `data_format`; None where it is no file (the check
-    then reads it, and says what is wrong)."""
+    """What identifies the content of data path `path` (a file, folder or glob: every file it names) for the check,
+    read as `data_format`; None where it names no file (the check then reads it, and says what is wrong)."""
     try:
-        stat = os.stat(path)
+        files = [(f.resolve(), os.stat(f)) for f in data_files(path)]
     except OSError:
         return None
-    return f"{Path(path).resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{data_format}"
+    named = ";".join(f"{file}|{stat.st_size}|{stat.st_mtime_ns}" for file, stat in files)
+    return f"{path}={named}|{data_format}"
 
 
 def load(memo: Path) -> set[str]:

@@ -15,7 +15,7 @@ import torch
 
 from pipeline.checkpoints import adapter
 from pipeline.data.dataset import IGNORE_INDEX, encode, sft_segments
-from pipeline.data.textio import read_documents, read_jsonl
+from pipeline.data.textio import read_data, read_documents
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def text_examples(tokenizer, path: Path, max_bytes: int | None) -> list[Example]
 def sft_examples(tokenizer, path: Path, *, template: str, max_bytes: int | None) -> list[Example]:
     """Instruction rows: only the response tokens are scored (and their bytes counted)."""
     examples, total = [], 0
-    for row in read_jsonl(path, ()):
+    for row in read_data(path, "jsonl"):
         ids, scored, nbytes = [], [], 0
         for text, trained in sft_segments(tokenizer, row, template):
             piece = encode(tokenizer, [text], add_special_tokens=False)[0]

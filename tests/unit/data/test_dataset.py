@@ -18,7 +18,7 @@ from pipeline.data.dataset import (
     split_indices,
     tokenize_documents,
 )
-from pipeline.data.textio import read_documents, read_jsonl
+from pipeline.data.textio import read_data, read_documents
 from pipeline.data.tokenizer import load_tokenizer
 
 
@@ -29,19 +29,20 @@ def smol(smol_tokenizer_dir):
 
 def test_the_stream_does_not_depend_on_the_chunk_of_documents_encoded_at_once(smol, peoples_daily):
     documents = peoples_daily[:150]
-    whole, n_docs = tokenize_documents(smol, documents, chunk=len(documents))
+    whole, lengths = tokenize_documents(smol, documents, chunk=len(documents))
+    assert len(lengths) == len(documents) and int(lengths.sum()) == len(whole)
     for chunk in (1, 7, 64):
-        stream, count = tokenize_documents(smol, documents, chunk=chunk)
-        assert count == n_docs and stream.dtype == np.int32 and np.array_equal(stream, whole)
+        stream, sizes = tokenize_documents(smol, documents, chunk=chunk)
+        assert np.array_equal(sizes, lengths) and stream.dtype == np.int32 and np.array_equal(stream, whole)
     empty, none = tokenize_documents(smol, [])
-    assert none == 0 and empty.dtype == np.int32 and empty.size == 0
+    assert none.size == 0 and empty.dtype == np.int32 and empty.size == 0
 
 
 @pytest.mark.parametrize("tail", ["drop", "pad"])
 def test_packing_loses_and_duplicates_no_token(smol, peoples_daily, tail):
     documents = peoples_daily[:200]
-    stream, n_docs = tokenize_documents(smol, documents)
-    assert n_docs == 200
+    stream, lengths = tokenize_documents(smol, documents)
+    assert len(lengths) == 200
     assert int((stream == smol.eos_token_id).sum()) == 200
     expected = [t for doc in documents for t in smol(doc, add_special_tokens=False).input_ids + [smol.eos_token_id]]
     assert stream.tolist() == expected
@@ -201,10 +202,10 @@ def test_jsonl_missing_field_names_file_and_line(tmp_path):
         json.dumps(ROWS[0]) + "\n\n" + json.dumps({"instruction": "x", "input": ""}) + "\n", encoding="utf-8"
     )
     with pytest.raises(ValueError, match=r"sft.jsonl:3: missing field\(s\) 'output'"):
-        read_jsonl(path, ("instruction", "output"))
+        read_data(path, "alpaca")
     path.write_text("{not json}\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"sft.jsonl:1: invalid JSON"):
-        read_jsonl(path, ("instruction",))
+        read_data(path, "alpaca")
     path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"sft.jsonl:1: 'messages' must be a non-empty list"):
-        read_jsonl(path, ("messages",))
+        read_data(path, "chat")

@@ -108,6 +108,8 @@ def test_stage_refuses_a_bad_source_before_writing(tmp_path, tiny_base_dir, smol
         base_config=tiny_base_dir / "config.json",
         out=tmp_path / "dataset",
         metrics=tmp_path / "dataset.json",
+        workers=1,
+        chunk_chars=stage.CHUNK_CHARS,
     )
     with pytest.raises(FileNotFoundError, match="data.sources.1.file"):
         stage.main(args, config.load(tmp_path / "params.yaml"))

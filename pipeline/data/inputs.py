@@ -1,0 +1,168 @@
+"""The data files users have: a data path names one file, a folder (every data file under it) or a glob of files;
+each is plain text (one document per line), JSONL or Parquet, each optionally compressed (.gz, .bz2, .zst). Read a
+line (or a Parquet batch) at a time, so that memory never holds a file; errors name the file and the line (or row)."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
+KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}  # any other suffix is plain text
+DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
+REQUIRED_FIELDS = {"text": (), "alpaca": ("instruction", "output"), "chat": ("messages",), "jsonl": ()}
+PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
+
+
+def data_files(spec: Path | str) -> list[Path]:
+    """The files a data path names, in a fixed (sorted) order: the file itself, every data file under a folder
+    (recursively), or the files a glob matches."""
+    text = str(spec)
+    path = Path(text)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and _is_data_file(p))
+        if not found:
+            raise FileNotFoundError(f"{path}: no data file in this folder (expected {_EXPECTED})")
+        return found
+    if glob.has_magic(text):
+        found = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        if not found:
+            raise FileNotFoundError(f"{text}: no file matches this glob (expected {_EXPECTED})")
+        return found
+    raise FileNotFoundError(f"{path}: data file not found")
+
+
+_EXPECTED = "a file, a folder or a glob of .txt, .jsonl or .parquet files, each optionally .gz, .bz2 or .zst"
+
+
+def _is_data_file(path: Path) -> bool:
+    name = path.name[: -len(path.suffix)] if path.suffix in CODECS else path.name
+    return name.endswith(DATA_SUFFIXES)
+
+
+def kind(path: Path) -> str:
+    """How a file is read: "text", "jsonl" or "parquet" (by its suffix, under any compression suffix)."""
+    suffixes = path.suffixes[:-1] if path.suffix in CODECS else path.suffixes
+    return KINDS.get(suffixes[-1] if suffixes else "", "text")
+
+
+def open_bytes(path: Path) -> io.BufferedReader:
+    """The file's bytes, decompressed as they are read where its suffix names a codec."""
+    if path.suffix not in CODECS:
+        return path.open("rb")
+    import pyarrow as pa
+
+    return io.BufferedReader(pa.input_stream(str(path), compression=CODECS[path.suffix]), 1 << 20)
+
+
+def lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a text or JSONL file, numbered as str.splitlines counts lines; invalid UTF-8 is
+    refused with its line."""
+    number, offset = 0, 0
+    with open_bytes(path) as file:
+        for newline, raw in enumerate(file):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{newline + 1}: invalid UTF-8 (byte offset {offset + err.start}); expected UTF-8 text"
+                ) from None
+            offset += len(raw)
+            for line in text.splitlines():
+                number += 1
+                yield number, line
+
+
+def items(spec: Path | str, data_format: str) -> Iterator:
+    """Every item of a data path in order: `text` documents (non-blank lines of a text file, else the "text" field of
+    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat; "jsonl": any object)."""
+    for path in data_files(spec):
+        yield from file_items(path, data_format)
+
+
+def file_items(path: Path, data_format: str) -> Iterator:
+    """The items of one data file (see `items`)."""
+    required = ("text",) if data_format == "text" else REQUIRED_FIELDS[data_format]
+    if kind(path) == "parquet":
+        yield from _parquet_items(path, data_format, required)
+        return
+    if kind(path) == "text" and data_format == "text":
+        for _, line in lines(path):
+            if line.strip():
+                yield line.strip()
+        return
+    for number, line in lines(path):  # JSONL (any suffix but .parquet holds JSONL rows in the row formats)
+        if line.strip():
+            row = check_row(path, number, line, () if data_format == "text" else required)
+            yield _document(path, number, row) if data_format == "text" else row
+
+
+def _document(path: Path, where: int | str, row: dict) -> str:
+    if "text" not in row:
+        raise ValueError(
+            f"{path}:{where}: a JSON object in a text source without a 'text' field; expected plain text (one "
+            "document per line) or rows with 'text', or the data format alpaca/chat"
+        )
+    text = row["text"]
+    if not isinstance(text, str):
+        raise ValueError(f"{path}:{where}: 'text' must be a string, got {type(text).__name__}")
+    return text
+
+
+def _parquet_items(path: Path, data_format: str, required: tuple[str, ...]) -> Iterator:
+    import pyarrow.parquet as pq
+
+    reader = pq.ParquetFile(path)
+    missing = [field for field in required if field not in reader.schema_arrow.names]
+    if missing:
+        raise ValueError(
+            f"{path}: no column(s) {', '.join(repr(m) for m in missing)} (it has {reader.schema_arrow.names})"
+        )
+    number = 0
+    for batch in reader.iter_batches(batch_size=PARQUET_ROWS, columns=["text"] if data_format == "text" else None):
+        for row in batch.to_pylist():
+            number += 1
+            if data_format == "text":
+                if (text := _document(path, f"row {number}", row)).strip():
+                    yield text.strip()
+            else:
+                yield check_fields(path, f"row {number}", row, required)
+
+
+def check_row(path: Path | str, number: int, line: str, required: tuple[str, ...]) -> dict:
+    """Line `number` of a JSONL file as an object holding every `required` field."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+    return check_fields(path, number, row, required)
+
+
+def check_fields(path: Path | str, where: int | str, row: dict, required: tuple[str, ...]) -> dict:
+    """`row` (at line or row `where`), refused when a `required` field is missing or its messages are malformed."""
+    missing = [field for field in required if row.get(field) is None]
+    if missing:
+        raise ValueError(f"{path}:{where}: missing field(s) {', '.join(repr(m) for m in missing)}")
+    if "messages" in required and not _valid_messages(row["messages"]):
+        raise ValueError(
+            f'{path}:{where}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
+        )
+    return row
+
+
+def _valid_messages(messages: object) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )

@@ -1,0 +1,165 @@
+"""The streamed cache_dataset (`streamed.build`) writes the bytes the in-memory builders write (save_to_disk's
+layout), for any chunk size and number of workers, from every form of input users have (folders, globs, JSONL,
+Parquet, compressed), and it resumes from the parts a killed run finished."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline.core import config
+from pipeline.data import streamed
+from pipeline.data.assembly import Packing
+from pipeline.data.dataset import build_instruction, build_pretraining, save_splits
+from pipeline.data.tokenizer import load_tokenizer
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def smol(smol_tokenizer_dir):
+    return load_tokenizer(smol_tokenizer_dir)
+
+
+def packing(data_format: str = "text", tail: str = "drop", template: str = "alpaca") -> Packing:
+    return Packing(data_format, 64, tail, template, 96, validation_fraction=0.1, seed=3)
+
+
+def folder_bytes(folder: Path) -> dict[str, object]:
+    """Every file of a dataset folder, state.json without its fingerprint (a digest computed another way)."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            content = path.read_bytes()
+            if path.name == "state.json":
+                content = {k: v for k, v in json.loads(content).items() if k != "_fingerprint"}
+            found[str(path.relative_to(folder))] = content
+    return found
+
+
+def stream(tmp_path, smol, smol_tokenizer_dir, spec, pack, *, workers=1, chunk_chars=10**9, heldout=None, name="s"):
+    out = tmp_path / name
+    figures = streamed.build(
+        out,
+        tokenizer=smol,
+        tokenizer_dir=smol_tokenizer_dir,
+        train_file=str(spec),
+        heldout_fraction=heldout,
+        packing=pack,
+        work=tmp_path / f"{name}.parts",
+        workers=workers,
+        chunk_chars=chunk_chars,
+    )
+    return out, figures
+
+
+@pytest.mark.parametrize(("tail", "workers", "chunk_chars"), [("drop", 1, 10**9), ("drop", 2, 4000), ("pad", 1, 777)])
+def test_text_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peoples_daily, tail, workers, chunk_chars):
+    documents = peoples_daily[:300]
+    (tmp_path / "pd.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
+    pack = packing(tail=tail)
+    tables, stats = build_pretraining(smol, documents, block_size=64, tail=tail, validation_fraction=0.1, seed=3)
+    save_splits(tmp_path / "reference", tables)
+    out, figures = stream(
+        tmp_path, smol, smol_tokenizer_dir, tmp_path / "pd.txt", pack, workers=workers, chunk_chars=chunk_chars
+    )
+    assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
+    assert {k: figures[k] for k in stats} == pytest.approx(stats)
+    assert figures["parts"] > (1 if chunk_chars < 10**5 else 0)
+    blocks = figures["blocks"]
+    assert figures["tokens"] == blocks * 64 - figures["tokens_padded"] + figures["tokens_dropped"]  # every token
+    assert (figures["tokens_padded"] > 0) == (tail == "pad") and (figures["tokens_dropped"] > 0) == (tail == "drop")
+
+
+@pytest.mark.parametrize("template", ["alpaca", "chat"])
+def test_sft_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peoples_daily, template):
+    rows = [
+        {"instruction": q, "input": "", "output": a}
+        for q, a in zip(peoples_daily[:120], peoples_daily[1:121], strict=True)
+    ]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    tables, stats = build_instruction(
+        smol, rows[:-12], template=template, max_seq_len=96, validation_fraction=0.1, seed=3
+    )
+    save_splits(tmp_path / "reference", tables)
+    for workers, chunk_chars in ((1, 10**9), (2, 3000)):
+        out, figures = stream(
+            tmp_path, smol, smol_tokenizer_dir, tmp_path / "sft.jsonl", packing("alpaca", template=template),
+            workers=workers, chunk_chars=chunk_chars, heldout=0.1, name=f"s{workers}",
+        )  # fmt: skip
+        assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
+        assert {k: figures[k] for k in stats} == pytest.approx(stats)
+
+
+def test_folders_globs_jsonl_parquet_and_compression_read_as_one_plain_file(
+    tmp_path, smol, smol_tokenizer_dir, peoples_daily
+):
+    documents = peoples_daily[:240]
+    parts = [documents[:60], documents[60:120], documents[120:180], documents[180:]]
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    with gzip.open(corpus / "a.txt.gz", "wt", encoding="utf-8") as file:
+        file.write("\n\n".join(parts[0]) + "\n")
+    with pa.output_stream(str(corpus / "b.jsonl.zst"), compression="zstd") as file:
+        file.write("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(parts[1])).encode())
+    pq.write_table(pa.table({"text": parts[2], "n": list(range(60))}), corpus / "c.parquet", row_group_size=7)
+    (corpus / "sub" / "d.txt").write_text("\n".join(parts[3]), encoding="utf-8")
+    (corpus / "README.md").write_text("not data")
+    (tmp_path / "plain.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
+    reference, _ = stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "plain.txt", packing(), name="plain")
+    for spec in (corpus, f"{corpus}/**/*.*[!d]"):
+        out, figures = stream(tmp_path, smol, smol_tokenizer_dir, spec, packing(), name=f"s{len(str(spec))}")
+        assert figures["documents"] == 240
+        assert folder_bytes(out) == folder_bytes(reference)
+
+
+def test_bad_rows_are_named_before_anything_is_tokenized(tmp_path, smol, smol_tokenizer_dir):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"a.jsonl:2: a JSON object in a text source without a 'text' field"):
+        stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "corpus", packing())
+    assert not (tmp_path / "s").exists() and not (tmp_path / "s.parts").exists()
+    with pytest.raises(FileNotFoundError, match=r"no file matches this glob"):
+        stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "nothing*.txt", packing())
+
+
+def test_a_killed_run_resumes_from_its_parts_and_writes_the_uninterrupted_bytes(
+    tmp_path, tiny_base_dir, smol_tokenizer_dir, peoples_daily
+):
+    (tmp_path / "pd.txt").write_text("\n".join(peoples_daily[:3000]) + "\n", encoding="utf-8")
+    raw = config.compose(REPO / "conf", ["tracking.uri=", "data.block_size=64"])
+    raw["data"] |= {"train_file": str(tmp_path / "pd.txt"), "heldout_file": str(tmp_path / "pd.txt")}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+
+    def command(out: str) -> list[str]:
+        return [
+            sys.executable, "-m", "stages.cache_dataset", "--params", str(tmp_path / "params.yaml"),
+            "--tokenizer", str(smol_tokenizer_dir), "--base-config", str(tiny_base_dir / "config.json"),
+            "--out", str(tmp_path / out), "--metrics", str(tmp_path / f"{out}.json"),
+            "--run-id-file", str(tmp_path / "run.json"), "--workers", "1", "--chunk-chars", "2000",
+        ]  # fmt: skip
+
+    subprocess.run(command("whole"), cwd=REPO, check=True, capture_output=True)
+    killed = subprocess.Popen(command("resumed"), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work = tmp_path / ".resumed.parts"
+    deadline = time.monotonic() + 120
+    while len(list(work.glob("*.json"))) < 12 and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (tmp_path / "resumed").exists(), "killed before it finished"
+    finished = len(list(work.glob("0*.json")))
+    subprocess.run(command("resumed"), cwd=REPO, check=True, capture_output=True)
+    assert folder_bytes(tmp_path / "resumed") == folder_bytes(tmp_path / "whole")
+    figures = json.loads((tmp_path / "resumed.json").read_text())
+    assert figures["parts_reused"] == finished >= 10 and figures["parts"] > figures["parts_reused"]
+    assert not work.exists(), "the parts are removed once the dataset is written"
