@@ -29,18 +29,16 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         seed=d.seed,
     )
     assembly.check_length(packing, read_json(args.base_config)["max_position_embeddings"])
-    tokenizer = load_tokenizer(args.tokenizer)
     workers = args.workers or len(os.sched_getaffinity(0))
     work = args.out.with_name(f".{args.out.name}.parts")
     start = time.perf_counter()
     with atomic_path(args.out) as tmp:
         if d.sources:
-            tables, stats = assembly.build_mix(tokenizer, d.sources, packing)
+            tables, stats = assembly.build_mix(load_tokenizer(args.tokenizer), d.sources, packing)
             save_splits(tmp, tables)
         else:
             stats = streamed.build(
                 tmp,
-                tokenizer=tokenizer,
                 tokenizer_dir=args.tokenizer,
                 train_file=d.train_file,
                 heldout_fraction=d.heldout_fraction if d.heldout_file == d.train_file else None,

@@ -32,7 +32,7 @@ def encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[i
     return [e.ids for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
 
-DOCUMENTS_PER_CHUNK = 4096  # documents encoded at a time: their Python token lists live only for one chunk
+DOCUMENTS_PER_CHUNK = 256  # documents encoded at a time: their Encodings and Python token lists live for one chunk
 
 
 def tokenize_documents(

@@ -130,17 +130,22 @@ _WORKER: dict = {}
 
 def _start_worker(job: Job) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: the workers are the parallelism
-    from pipeline.data.tokenizer import load_tokenizer
+    _WORKER.update(job=job, tokenizer=_tokenizer(job))
 
-    _WORKER.update(job=job, tokenizer=load_tokenizer(job.tokenizer))
+
+def _tokenizer(job: Job):
+    """Text: the Rust tokenizer alone where it encodes as transformers does (no torch in the worker); SFT (chat
+    templates): the HF tokenizer."""
+    from pipeline.data.tokenizer import load_tokenizer, text_encoder
+
+    light = text_encoder(Path(job.tokenizer)) if job.family == "text" else None
+    return light or load_tokenizer(Path(job.tokenizer))
 
 
 def tokenize_part(folder: Path, index: int, chunk: list, job: Job | None = None) -> dict:
     """Tokenize one chunk into part `index` (in a worker, with its tokenizer, or here with `job`'s)."""
     if job is not None and _WORKER.get("job") != job:
-        from pipeline.data.tokenizer import load_tokenizer
-
-        _WORKER.update(job=job, tokenizer=load_tokenizer(job.tokenizer))
+        _WORKER.update(job=job, tokenizer=_tokenizer(job))
     job, tokenizer = _WORKER["job"], _WORKER["tokenizer"]
     if job.family == "text":
         arrays, summary = _text_part(tokenizer, chunk)

@@ -18,6 +18,7 @@ from pipeline.data import parts, saved_splits
 from pipeline.data.dataset import IGNORE_INDEX, split_indices, to_table
 from pipeline.data.inputs import data_files, items
 from pipeline.data.textio import held_out_count, verify
+from pipeline.data.tokenizer import load_tokenizer, text_encoder
 
 DENSE = 4  # a batch of rows is read as one range when the range is at most this many times the rows it holds
 
@@ -143,7 +144,6 @@ def _nbytes(rows: Blocks | Examples, indices: np.ndarray, tokens: int) -> int:
 def build(
     out: Path,
     *,
-    tokenizer,
     tokenizer_dir: Path,
     train_file: str,
     heldout_fraction: float | None,
@@ -159,8 +159,6 @@ def build(
     total = verify(train_file, p.data_format)
     limit = total - held_out_count(total, heldout_fraction) if heldout_fraction is not None else total
     job = parts.Job(str(tokenizer_dir), p.data_format, p.template, p.max_seq_len)
-    if job.family == "sft" and p.template == "chat" and not tokenizer.chat_template:
-        raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
     parts.prepare(work, parts.key(job, inputs=data_files(train_file), limit=limit, chunk_chars=chunk_chars))
     start = time.perf_counter()
     summaries = parts.tokenize(
@@ -176,6 +174,7 @@ def build(
     tokens = sum(s["tokens"] for s in summaries)
     figures: dict = {"documents": limit, "tokens": tokens}
     if job.family == "text":
+        tokenizer = text_encoder(tokenizer_dir) or load_tokenizer(tokenizer_dir)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         stream = Stream([parts.array_path(work, i, "ids") for i in indices])
         rows = Blocks(stream, block_size=p.block_size, tail=p.tail, pad_id=pad_id if pad_id is not None else 0)

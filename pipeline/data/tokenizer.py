@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.atomic import read_json
@@ -40,6 +41,39 @@ def load_tokenizer(path: Path, gguf_file: str | None = None):
             f"{SP_MODEL} with tokenizer_config.json"
         )
     return tokenizer
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """The Rust tokenizer alone, with the EOS and padding ids: what encoding text documents needs (duck-typed as
+    an HF tokenizer for `dataset.tokenize_documents`)."""
+
+    backend_tokenizer: object
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+
+def text_encoder(folder: Path) -> TextEncoder | None:
+    """The folder's tokenizer.json with its special ids, where transformers encodes text exactly as it does (no
+    add_bos_token/add_eos_token override in tokenizer_config.json, special tokens named there); None otherwise. A
+    process that only encodes text then needs neither transformers nor torch (300 MB less per process)."""
+    from tokenizers import Tokenizer
+
+    path, config_path = Path(folder) / HF_TOKENIZER, Path(folder) / CONFIG_FILES[0]
+    if not (path.is_file() and config_path.is_file()):
+        return None
+    config = read_json(config_path)
+    if {"add_bos_token", "add_eos_token"} & config.keys() or "eos_token" not in config:
+        return None
+    backend = Tokenizer.from_file(str(path))
+
+    def token_id(name: str) -> int | None:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        return None if token is None else backend.token_to_id(token)
+
+    eos = token_id("eos_token")
+    return TextEncoder(backend, eos, token_id("pad_token")) if eos is not None else None
 
 
 def vocabulary_size(folder: Path) -> int:

@@ -45,13 +45,14 @@ def _write(path: Path, data: bytes) -> Path:
     ("data_format", "content", "message"),
     [
         ("alpaca", b'{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n', "bad.jsonl:2: missing field(s)"),
-        ("text", b"ok\ncaf\xe9\n", "bad.jsonl:2: invalid UTF-8"),
-        ("text", b"\n \n", "bad.jsonl: data file is empty"),
-        ("text", None, "bad.jsonl: data file not found"),
+        ("text", b"ok\ncaf\xe9\n", "bad.txt:2: invalid UTF-8"),
+        ("text", b"\n \n", "bad.txt: data file is empty"),
+        ("text", None, "bad.txt: data file not found"),
+        ("text", b'{"text": "a"}\n{"body": "b"}\n', "bad.jsonl:2: a JSON object in a text source without a 'text'"),
     ],
 )
 def test_cache_dataset_refuses_bad_data(tmp_path, tiny_base_dir, data_format, content, message):
-    data = tmp_path / "bad.jsonl"
+    data = tmp_path / message.split(":")[0]  # the file the message names
     if content is not None:
         _write(data, content)
     out = tmp_path / "dataset"

@@ -46,11 +46,10 @@ def folder_bytes(folder: Path) -> dict[str, object]:
     return found
 
 
-def stream(tmp_path, smol, smol_tokenizer_dir, spec, pack, *, workers=1, chunk_chars=10**9, heldout=None, name="s"):
+def stream(tmp_path, smol_tokenizer_dir, spec, pack, *, workers=1, chunk_chars=10**9, heldout=None, name="s"):
     out = tmp_path / name
     figures = streamed.build(
         out,
-        tokenizer=smol,
         tokenizer_dir=smol_tokenizer_dir,
         train_file=str(spec),
         heldout_fraction=heldout,
@@ -70,7 +69,7 @@ def test_text_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peo
     tables, stats = build_pretraining(smol, documents, block_size=64, tail=tail, validation_fraction=0.1, seed=3)
     save_splits(tmp_path / "reference", tables)
     out, figures = stream(
-        tmp_path, smol, smol_tokenizer_dir, tmp_path / "pd.txt", pack, workers=workers, chunk_chars=chunk_chars
+        tmp_path, smol_tokenizer_dir, tmp_path / "pd.txt", pack, workers=workers, chunk_chars=chunk_chars
     )
     assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
     assert {k: figures[k] for k in stats} == pytest.approx(stats)
@@ -93,7 +92,7 @@ def test_sft_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peop
     save_splits(tmp_path / "reference", tables)
     for workers, chunk_chars in ((1, 10**9), (2, 3000)):
         out, figures = stream(
-            tmp_path, smol, smol_tokenizer_dir, tmp_path / "sft.jsonl", packing("alpaca", template=template),
+            tmp_path, smol_tokenizer_dir, tmp_path / "sft.jsonl", packing("alpaca", template=template),
             workers=workers, chunk_chars=chunk_chars, heldout=0.1, name=f"s{workers}",
         )  # fmt: skip
         assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
@@ -115,9 +114,9 @@ def test_folders_globs_jsonl_parquet_and_compression_read_as_one_plain_file(
     (corpus / "sub" / "d.txt").write_text("\n".join(parts[3]), encoding="utf-8")
     (corpus / "README.md").write_text("not data")
     (tmp_path / "plain.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
-    reference, _ = stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "plain.txt", packing(), name="plain")
+    reference, _ = stream(tmp_path, smol_tokenizer_dir, tmp_path / "plain.txt", packing(), name="plain")
     for spec in (corpus, f"{corpus}/**/*.*[!d]"):
-        out, figures = stream(tmp_path, smol, smol_tokenizer_dir, spec, packing(), name=f"s{len(str(spec))}")
+        out, figures = stream(tmp_path, smol_tokenizer_dir, spec, packing(), name=f"s{len(str(spec))}")
         assert figures["documents"] == 240
         assert folder_bytes(out) == folder_bytes(reference)
 
@@ -126,10 +125,10 @@ def test_bad_rows_are_named_before_anything_is_tokenized(tmp_path, smol, smol_to
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"a.jsonl:2: a JSON object in a text source without a 'text' field"):
-        stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "corpus", packing())
+        stream(tmp_path, smol_tokenizer_dir, tmp_path / "corpus", packing())
     assert not (tmp_path / "s").exists() and not (tmp_path / "s.parts").exists()
     with pytest.raises(FileNotFoundError, match=r"no file matches this glob"):
-        stream(tmp_path, smol, smol_tokenizer_dir, tmp_path / "nothing*.txt", packing())
+        stream(tmp_path, smol_tokenizer_dir, tmp_path / "nothing*.txt", packing())
 
 
 def test_a_killed_run_resumes_from_its_parts_and_writes_the_uninterrupted_bytes(

@@ -108,3 +108,19 @@ def test_missing_tokenizer_folder_is_named(tmp_path):
 
 def test_round_up():
     assert [round_up(n, 64) for n in (1, 64, 65, 56693)] == [64, 64, 128, 56704]
+
+
+@pytest.mark.parametrize("folder", ["smol_tokenizer_dir", "sp_tokenizer_dir"])
+def test_text_encoder_encodes_documents_as_the_hf_tokenizer(request, folder, peoples_daily):
+    """The Rust-only encoder the text workers use gives the stream the HF tokenizer gives (or declines the folder)."""
+    from pipeline.data.dataset import tokenize_documents
+    from pipeline.data.tokenizer import load_tokenizer, text_encoder
+
+    path = request.getfixturevalue(folder)
+    light, full = text_encoder(path), load_tokenizer(path)
+    if light is None:
+        return
+    assert (light.eos_token_id, light.pad_token_id) == (full.eos_token_id, full.pad_token_id)
+    documents = [*peoples_daily[:200], "Mixed English 文本 with digits 2026."]
+    ours, theirs = tokenize_documents(light, documents), tokenize_documents(full, documents)
+    assert (ours[0] == theirs[0]).all() and (ours[1] == theirs[1]).all()
