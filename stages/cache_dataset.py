@@ -9,9 +9,7 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json, write_json
-from pipeline.data import assembly, streamed
-from pipeline.data.dataset import save_splits
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.data import assembly, mixing, streamed
 from stages._common import run
 
 CHUNK_CHARS = 4_000_000  # characters of input per part: what a worker holds, and what a kill can lose
@@ -34,8 +32,15 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     start = time.perf_counter()
     with atomic_path(args.out) as tmp:
         if d.sources:
-            tables, stats = assembly.build_mix(load_tokenizer(args.tokenizer), d.sources, packing)
-            save_splits(tmp, tables)
+            stats = streamed.build_mix(
+                tmp,
+                tokenizer_dir=args.tokenizer,
+                sources=mixing.resolve(d.sources),
+                packing=packing,
+                work=work,
+                workers=workers,
+                chunk_chars=args.chunk_chars,
+            )
         else:
             stats = streamed.build(
                 tmp,

@@ -117,31 +117,61 @@ def sft_segments(tokenizer, row: dict, template: str) -> Iterator[tuple[str, boo
     return iter([(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)])
 
 
+RENDERED_CHARS_PER_TOKEN = 32  # a row's rendering stops past this many characters per max_seq_len token
+
+
 def build_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) -> tuple[list, list, dict]:
-    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len (rendering
-    stops there, so long conversations cost no more than their first max_seq_len tokens)."""
+    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len. The rows'
+    segments are rendered first and encoded in one batch (Rust-side); a row's rendering stops past
+    RENDERED_CHARS_PER_TOKEN x max_seq_len characters, so long conversations cost no more than their beginning (a
+    row cut there that still fits is rendered again whole, so the result is exact)."""
     if template == "chat" and not tokenizer.chat_template:
         raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
     bos = tokenizer.bos_token_id
-    bos = [bos] if bos is not None and tokenizer("x").input_ids[:1] == [bos] else []
-    backend = tokenizer.backend_tokenizer
+    adds_bos = bos is not None and tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids[:1] == [bos]
+    start = [bos] if adds_bos else []
+    rendered = [_render(tokenizer, row, template, RENDERED_CHARS_PER_TOKEN * max_seq_len) for row in rows]
+    pieces = iter(encode(tokenizer, [text for segments, _ in rendered for text, _ in segments], False))
     inputs, labels, truncated, dropped = [], [], 0, 0
-    for row in rows:
-        ids, lab = list(bos), [IGNORE_INDEX] * len(bos)
-        for text, trained in sft_segments(tokenizer, row, template):
-            piece = backend.encode(text, add_special_tokens=False).ids
-            ids += piece
-            lab += piece if trained else [IGNORE_INDEX] * len(piece)
-            if len(ids) > max_seq_len:
-                break
+    for row, (segments, whole) in zip(rows, rendered, strict=True):
+        encoded = [(next(pieces), trained) for _, trained in segments]
+        ids, lab = _assemble(start, encoded, max_seq_len)
+        if not whole and len(ids) <= max_seq_len:  # cut by the character bound, yet short: render it all
+            segments = _render(tokenizer, row, template, None)[0]
+            encoded = [(piece, trained) for piece, (_, trained) in zip(
+                encode(tokenizer, [text for text, _ in segments], False), segments, strict=True
+            )]  # fmt: skip
+            ids, lab = _assemble(start, encoded, max_seq_len)
         truncated += len(ids) > max_seq_len
         ids, lab = ids[:max_seq_len], lab[:max_seq_len]
-        if all(label == IGNORE_INDEX for label in lab):
+        if lab.count(IGNORE_INDEX) == len(lab):
             dropped += 1
             continue
         inputs.append(ids)
         labels.append(lab)
     return inputs, labels, {"examples": len(rows), "truncated_examples": truncated, "dropped_examples": dropped}
+
+
+def _render(tokenizer, row: dict, template: str, max_chars: int | None) -> tuple[list[tuple[str, bool]], bool]:
+    """A row's segments, up to the first that passes `max_chars` characters; and whether they are all of them."""
+    segments, chars = [], 0
+    for text, trained in sft_segments(tokenizer, row, template):
+        segments.append((text, trained))
+        chars += len(text)
+        if max_chars is not None and chars > max_chars:
+            return segments, False
+    return segments, True
+
+
+def _assemble(start: list[int], encoded: list[tuple[list[int], bool]], max_seq_len: int) -> tuple[list, list]:
+    """Token ids and labels of encoded segments (prompts -100), up to the segment that passes max_seq_len."""
+    ids, lab = list(start), [IGNORE_INDEX] * len(start)
+    for piece, trained in encoded:
+        ids += piece
+        lab += piece if trained else [IGNORE_INDEX] * len(piece)
+        if len(ids) > max_seq_len:
+            break
+    return ids, lab
 
 
 def to_table(inputs, labels) -> pa.Table:

@@ -44,6 +44,12 @@ def resolve(entries: list) -> list[Source]:
 def read_source(source: Source, key: str) -> list:
     """A source's documents (text) or rows (alpaca, chat), refused with the file and line when the file does not
     hold its format."""
+    check_source(source, key)
+    return read_data(source.file, source.format)
+
+
+def check_source(source: Source, key: str) -> None:
+    """Refuse a source whose path names no file, or a text source whose plain file holds JSON rows."""
     try:
         files = data_files(source.file)
     except FileNotFoundError:
@@ -51,7 +57,6 @@ def read_source(source: Source, key: str) -> list:
     if source.format == "text":
         for path in files:
             refuse_json_text(path, key)
-    return read_data(source.file, source.format)
 
 
 def refuse_json_text(path: Path, key: str) -> None:
@@ -75,18 +80,20 @@ def planned_shares(sources: list[Source]) -> np.ndarray:
     return weights / weights.sum()
 
 
-def choose(lengths: list[np.ndarray], shares: np.ndarray, seed: int) -> list[tuple[int, int]]:
-    """(source, item) pairs of the mix in their mixed order. Source i brings `shares[i]` x budget tokens, budget =
-    min_i(tokens_i / shares[i]); it takes the items of a seeded permutation until its quota is reached."""
+def choose(lengths: list[np.ndarray], shares: np.ndarray, seed: int) -> np.ndarray:
+    """(source, item) rows of the mix in their mixed order, an int64 array [k, 2]. Source i brings `shares[i]` x
+    budget tokens, budget = min_i(tokens_i / shares[i]); it takes the items of a seeded permutation until its quota
+    is reached."""
     rng = np.random.default_rng(seed)
     budget = min(float(length.sum()) / share for length, share in zip(lengths, shares, strict=True))
-    picked: list[tuple[int, int]] = []
+    picked = []
     for i, (length, share) in enumerate(zip(lengths, shares, strict=True)):
         order = rng.permutation(len(length))
         reached = np.cumsum(length[order]) >= share * budget * (1 - 1e-12)
         count = int(np.argmax(reached)) + 1 if reached.any() else len(length)
-        picked += [(i, int(j)) for j in order[:count]]
-    return [picked[k] for k in rng.permutation(len(picked))]
+        picked.append(np.stack([np.full(count, i, dtype=np.int64), order[:count].astype(np.int64)], axis=1))
+    mix = np.concatenate(picked)
+    return mix[rng.permutation(len(mix))]
 
 
 def report(sources: list[Source], shares: np.ndarray, train_tokens: list[int], items: list[int]) -> dict:

@@ -16,12 +16,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
-ARRAYS = {"text": ("ids", "lengths"), "sft": ("ids", "labels", "lengths")}
+SFT = ("ids", "labels", "lengths")  # the arrays of an SFT part (a text part: ids, lengths)
 KEY_FILE = "key.json"
 
 
@@ -134,12 +135,11 @@ def _start_worker(job: Job) -> None:
 
 
 def _tokenizer(job: Job):
-    """Text: the Rust tokenizer alone where it encodes as transformers does (no torch in the worker); SFT (chat
-    templates): the HF tokenizer."""
-    from pipeline.data.tokenizer import load_tokenizer, text_encoder
+    """The Rust tokenizer with its special tokens and template where it reads as transformers reads it (no torch in
+    the worker), else the HF tokenizer."""
+    from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
 
-    light = text_encoder(Path(job.tokenizer)) if job.family == "text" else None
-    return light or load_tokenizer(Path(job.tokenizer))
+    return light_tokenizer(Path(job.tokenizer)) or load_tokenizer(Path(job.tokenizer))
 
 
 def tokenize_part(folder: Path, index: int, chunk: list, job: Job | None = None) -> dict:
@@ -175,8 +175,8 @@ def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarr
     inputs, labels, stats = build_sft(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
     lengths = np.array([len(ids) for ids in inputs], dtype=np.int32)
     flat = {
-        "ids": np.fromiter((t for ids in inputs for t in ids), np.int32, count=int(lengths.sum())),
-        "labels": np.fromiter((t for lab in labels for t in lab), np.int32, count=int(lengths.sum())),
+        "ids": np.fromiter(chain.from_iterable(inputs), np.int32, count=int(lengths.sum())),
+        "labels": np.fromiter(chain.from_iterable(labels), np.int32, count=int(lengths.sum())),
         "lengths": lengths,
     }
     return flat, {**stats, "tokens": int(lengths.sum())}

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data import parts, saved_splits
+from pipeline.data import mixing, parts, saved_splits
 from pipeline.data.dataset import IGNORE_INDEX, split_indices, to_table
 from pipeline.data.inputs import data_files, items
 from pipeline.data.textio import held_out_count, verify
-from pipeline.data.tokenizer import load_tokenizer, text_encoder
+from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
 
 DENSE = 4  # a batch of rows is read as one range when the range is at most this many times the rows it holds
 
@@ -45,6 +45,44 @@ class Stream:
             at += int(high - low)
             part += 1
         return out
+
+
+class Mixed:
+    """Items (documents or examples) of several sources' streams in a mixed order, read as one stream; it also
+    counts the tokens of each source in a range."""
+
+    def __init__(self, streams: list[Stream], lengths: list[np.ndarray], mix: np.ndarray):
+        self.streams, self.source = streams, mix[:, 0]
+        self.length = np.empty(len(mix), dtype=np.int64)
+        self.origin = np.empty(len(mix), dtype=np.int64)  # where each item starts in its source's stream
+        for i, length in enumerate(lengths):
+            chosen = self.source == i
+            starts = np.concatenate([[0], np.cumsum(length, dtype=np.int64)])
+            self.length[chosen], self.origin[chosen] = length[mix[chosen, 1]], starts[mix[chosen, 1]]
+        self.starts = np.concatenate([[0], np.cumsum(self.length)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _spans(self, start: int, stop: int):
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        for k in range(max(first, 0), len(self.length)):
+            if self.starts[k] >= stop:
+                return
+            low, high = max(start, int(self.starts[k])), min(stop, int(self.starts[k + 1]))
+            yield k, low, high
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        out = np.empty(stop - start, dtype=np.int32)
+        for k, low, high in self._spans(start, stop):
+            at = int(self.origin[k]) + low - int(self.starts[k])
+            out[low - start : high - start] = self.streams[self.source[k]].read(at, at + high - low)
+        return out
+
+    def source_tokens(self, start: int, stop: int, counts: np.ndarray) -> None:
+        """Add the tokens of [start, stop) to `counts`, by source."""
+        for k, low, high in self._spans(start, stop):
+            counts[self.source[k]] += high - low
 
 
 def runs(indices: np.ndarray) -> list[np.ndarray]:
@@ -79,16 +117,23 @@ class Blocks:
             labels[-1, self.rest :] = IGNORE_INDEX
         return to_table(inputs, labels)
 
+    def source_tokens(self, indices: np.ndarray, counts: np.ndarray) -> None:
+        for i in indices:
+            self.stream.source_tokens(int(i) * self.size, min((int(i) + 1) * self.size, len(self.stream)), counts)
+
 
 class Examples:
-    """SFT examples (variable length) read from the parts' ids and labels."""
+    """SFT examples (variable length) read from streams of ids and labels (`lengths` tokens each, in order)."""
 
-    def __init__(self, folder: Path, indices: list[int]):
-        self.ids = Stream([parts.array_path(folder, i, "ids") for i in indices])
-        self.labels = Stream([parts.array_path(folder, i, "labels") for i in indices])
-        lengths = Stream([parts.array_path(folder, i, "lengths") for i in indices])
-        self.offsets = np.concatenate([[0], np.cumsum(lengths.read(0, len(lengths)), dtype=np.int64)])
-        self.count = len(self.offsets) - 1
+    def __init__(self, ids: Stream | Mixed, labels: Stream | Mixed, lengths: np.ndarray):
+        self.ids, self.labels = ids, labels
+        self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        self.count = len(lengths)
+
+    @classmethod
+    def of_parts(cls, folder: Path, indices: list[int]) -> Examples:
+        ids, labels, lengths = (Stream([parts.array_path(folder, i, name) for i in indices]) for name in parts.SFT)
+        return cls(ids, labels, lengths.read(0, len(lengths)))
 
     def take(self, indices: np.ndarray) -> pa.Table:
         ids, labels, ends = [], [], [0]
@@ -109,15 +154,20 @@ class Examples:
             }
         )
 
+    def source_tokens(self, indices: np.ndarray, counts: np.ndarray) -> None:
+        for i in indices:
+            self.ids.source_tokens(int(self.offsets[i]), int(self.offsets[i + 1]), counts)
 
-def write(out: Path, rows: Blocks | Examples, *, validation_fraction: float, seed: int, tokens: int) -> dict:
-    """Split the rows (seeded, as `split_indices`) and write both splits into `out`; the split's figures."""
+
+def write(out: Path, rows: Blocks | Examples, *, validation_fraction: float, seed: int, sources: int = 0) -> dict:
+    """Split the rows (seeded, as `split_indices`) and write both splits into `out`; the split's figures (with
+    `sources`, a mix's: also the train split's tokens per source)."""
     train, val = split_indices(rows.count, validation_fraction, seed)
     figures, masked = {"train_rows": int(len(train)), "validation_rows": int(len(val))}, [0, 0]
+    per_source = np.zeros(sources, dtype=np.int64)
     out.mkdir(parents=True)
     for name, indices in (("train", train), ("validation", val)):
         first = rows.take(indices[:1]) if len(indices) else rows.take(np.arange(1))
-        nbytes = _nbytes(rows, indices, tokens)
 
         def take(start: int, stop: int, indices=indices, name=name) -> pa.Table:
             table = rows.take(indices[start:stop])
@@ -125,20 +175,88 @@ def write(out: Path, rows: Blocks | Examples, *, validation_fraction: float, see
                 labels = table.column("labels").combine_chunks().flatten().to_numpy()
                 masked[0] += int((labels == IGNORE_INDEX).sum())
                 masked[1] += len(labels)
+                if sources:
+                    rows.source_tokens(indices[start:stop], per_source)
             return table
 
+        nbytes = _nbytes(rows, indices)
         saved_splits.write_split(out / name, count=len(indices), nbytes=nbytes, schema=first.schema, take=take)
     saved_splits.write_dict(out, ["train", "validation"])
     figures["masked_fraction"] = masked[0] / masked[1] if masked[1] else 0.0
+    if sources:
+        figures["source_tokens"] = per_source.tolist()
     return figures
 
 
-def _nbytes(rows: Blocks | Examples, indices: np.ndarray, tokens: int) -> int:
+def _nbytes(rows: Blocks | Examples, indices: np.ndarray) -> int:
     """The bytes of the split's two columns (int32 tokens, plus 4-byte offsets for SFT rows)."""
     if isinstance(rows, Blocks):
         return 2 * 4 * len(indices) * rows.size
     ends = rows.offsets[indices + 1] - rows.offsets[indices] if len(indices) else np.zeros(0)
     return 2 * 4 * (int(ends.sum()) + len(indices) + 1)
+
+
+def tokenized(
+    spec: str,
+    job: parts.Job,
+    *,
+    work: Path,
+    heldout_fraction: float | None,
+    workers: int,
+    chunk_chars: int,
+    total: int | None = None,
+) -> tuple[int, list[dict], float]:
+    """Validate data path `spec` (whole, unless its `total` of items says it was: a bad line stops it before any
+    tokenizing), then tokenize its items (less the last `heldout_fraction`, when given) into parts under `work`;
+    (items, the parts' summaries, seconds)."""
+    total = verify(spec, job.data_format) if total is None else total
+    limit = total - held_out_count(total, heldout_fraction) if heldout_fraction is not None else total
+    parts.prepare(work, parts.key(job, inputs=data_files(spec), limit=limit, chunk_chars=chunk_chars))
+    start = time.perf_counter()
+    summaries = parts.tokenize(
+        work,
+        job,
+        islice(items(spec, job.data_format), limit),
+        total=limit,
+        workers=workers,
+        chunk_chars=chunk_chars,
+    )
+    return limit, summaries, time.perf_counter() - start
+
+
+def _pad_id(tokenizer_dir: Path) -> int:
+    tokenizer = light_tokenizer(tokenizer_dir) or load_tokenizer(tokenizer_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return pad_id if pad_id is not None else 0
+
+
+def _blocks(stream: Stream | Mixed, packing, tokenizer_dir: Path) -> tuple[Blocks, dict]:
+    p = packing
+    rows = Blocks(stream, block_size=p.block_size, tail=p.tail, pad_id=_pad_id(tokenizer_dir))
+    if rows.count < 1:
+        raise ValueError(f"data.block_size: {len(stream)} tokens make no block of {p.block_size}; lower it or add text")
+    return rows, {
+        "blocks": rows.count,
+        "tokens_dropped": rows.rest if p.tail == "drop" else 0,
+        "tokens_padded": (p.block_size - rows.rest) if rows.count > rows.full else 0,
+    }
+
+
+def _sft_figures(summaries: list[dict]) -> dict:
+    return {key: sum(s[key] for s in summaries) for key in ("examples", "truncated_examples", "dropped_examples")}
+
+
+def _measured(summaries: list[dict], seconds: float, workers: int) -> dict:
+    """How the tokenizing went: parts made and reused, and tokens/s per core of the parts made in this run."""
+    reused = sum(1 for s in summaries if s.get("reused"))
+    fresh = sum(s["tokens"] for s in summaries if not s.get("reused"))
+    return {
+        "parts": len(summaries),
+        "parts_reused": reused,
+        "workers": workers,
+        "tokenize_seconds": round(seconds, 3),
+        "tokens_per_second_per_core": round(fresh / seconds / workers) if seconds > 0 else 0,
+    }
 
 
 def build(
@@ -156,51 +274,74 @@ def build(
     documents, tokens, blocks, padded and dropped tokens (text) or examples, truncated and dropped examples (SFT),
     rows per split, the train split's masked fraction, and tokens/s (per core)."""
     p = packing
-    total = verify(train_file, p.data_format)
-    limit = total - held_out_count(total, heldout_fraction) if heldout_fraction is not None else total
     job = parts.Job(str(tokenizer_dir), p.data_format, p.template, p.max_seq_len)
-    parts.prepare(work, parts.key(job, inputs=data_files(train_file), limit=limit, chunk_chars=chunk_chars))
-    start = time.perf_counter()
-    summaries = parts.tokenize(
-        work,
-        job,
-        islice(items(train_file, p.data_format), limit),
-        total=limit,
-        workers=workers,
-        chunk_chars=chunk_chars,
+    count, summaries, seconds = tokenized(
+        train_file, job, work=work, heldout_fraction=heldout_fraction, workers=workers, chunk_chars=chunk_chars
     )
-    seconds = time.perf_counter() - start
     indices = [s["index"] for s in summaries]
-    tokens = sum(s["tokens"] for s in summaries)
-    figures: dict = {"documents": limit, "tokens": tokens}
+    figures: dict = {"documents": count, "tokens": sum(s["tokens"] for s in summaries)}
     if job.family == "text":
-        tokenizer = text_encoder(tokenizer_dir) or load_tokenizer(tokenizer_dir)
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        stream = Stream([parts.array_path(work, i, "ids") for i in indices])
-        rows = Blocks(stream, block_size=p.block_size, tail=p.tail, pad_id=pad_id if pad_id is not None else 0)
-        if rows.count < 1:
-            raise ValueError(f"data.block_size: {tokens} tokens make no block of {p.block_size}; lower it or add text")
-        figures |= {
-            "blocks": rows.count,
-            "tokens_dropped": rows.rest if p.tail == "drop" else 0,
-            "tokens_padded": (p.block_size - rows.rest) if rows.count > rows.full else 0,
-        }
+        rows, shape = _blocks(Stream([parts.array_path(work, i, "ids") for i in indices]), p, tokenizer_dir)
+        figures |= shape
     else:
-        rows = Examples(work, indices)
-        for key in ("examples", "truncated_examples", "dropped_examples"):
-            figures[key] = sum(s[key] for s in summaries)
+        rows = Examples.of_parts(work, indices)
+        figures |= _sft_figures(summaries)
         if rows.count < 1:
             raise ValueError(
                 f"data.max_seq_len: every example lost its response to truncation at {p.max_seq_len} tokens"
             )
-    figures |= write(out, rows, validation_fraction=p.validation_fraction, seed=p.seed, tokens=tokens)
-    fresh = sum(s["tokens"] for s in summaries if not s.get("reused"))
-    reused = sum(1 for s in summaries if s.get("reused"))
-    figures |= {
-        "parts": len(summaries),
-        "parts_reused": reused,
-        "workers": workers,
-        "tokenize_seconds": round(seconds, 3),
-    }
-    figures["tokens_per_second_per_core"] = round(fresh / seconds / workers) if seconds > 0 else 0
-    return figures
+    figures |= write(out, rows, validation_fraction=p.validation_fraction, seed=p.seed)
+    return figures | _measured(summaries, seconds, workers)
+
+
+def build_mix(
+    out: Path, *, tokenizer_dir: Path, sources: list, packing, work: Path, workers: int, chunk_chars: int
+) -> dict:
+    """Write the weighted mix of `sources` (`mixing.Source`, all of one family: text or SFT) into `out`, as
+    `mixing.mix_text` / `mix_instruction` build it in memory: each source is tokenized into parts of its own, the
+    mix is chosen from the items' token counts, and the rows are read across the sources' parts. Figures as
+    `build`'s, plus `sources` (planned and realised shares)."""
+    p = packing
+    totals = []
+    for i, source in enumerate(sources):  # every source checked before any is tokenized
+        mixing.check_source(source, f"data.sources.{i}")
+        totals.append(verify(source.file, source.format))
+    counts, streams, labels, lengths, summaries, seconds = [], [], [], [], [], 0.0
+    for i, source in enumerate(sources):
+        job = parts.Job(str(tokenizer_dir), source.format, p.template, p.max_seq_len)
+        folder = work / f"source_{i}"
+        count, done, spent = tokenized(
+            str(source.file),
+            job,
+            work=folder,
+            heldout_fraction=None,
+            workers=workers,
+            chunk_chars=chunk_chars,
+            total=totals[i],
+        )
+        indices = [s["index"] for s in done]
+        if job.family == "sft" and not sum(s["tokens"] for s in done):
+            raise ValueError(
+                f"data.max_seq_len: every example of {source.file} lost its response to truncation at {p.max_seq_len}"
+            )
+        streams.append(Stream([parts.array_path(folder, k, "ids") for k in indices]))
+        labels.append(Stream([parts.array_path(folder, k, "labels") for k in indices]) if job.family == "sft" else None)
+        length = Stream([parts.array_path(folder, k, "lengths") for k in indices])
+        lengths.append(length.read(0, len(length)).astype(np.int64))
+        counts.append(count)
+        summaries += done
+        seconds += spent
+    shares = mixing.planned_shares(sources)
+    mix = mixing.choose(lengths, shares, p.seed)
+    ids = Mixed(streams, lengths, mix)
+    figures: dict = {"documents": len(mix) if p.data_format == "text" else sum(counts), "tokens": len(ids)}
+    if p.data_format == "text":
+        rows, shape = _blocks(ids, p, tokenizer_dir)
+        figures |= shape
+    else:
+        rows = Examples(ids, Mixed(labels, lengths, mix), ids.length)
+        figures |= _sft_figures(summaries)
+    figures |= write(out, rows, validation_fraction=p.validation_fraction, seed=p.seed, sources=len(sources))
+    items_per_source = np.bincount(mix[:, 0], minlength=len(sources)).tolist()
+    figures["sources"] = mixing.report(sources, shares, figures.pop("source_tokens"), items_per_source)
+    return figures | _measured(summaries, seconds, workers)

@@ -43,37 +43,79 @@ def load_tokenizer(path: Path, gguf_file: str | None = None):
     return tokenizer
 
 
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 @dataclass(frozen=True)
-class TextEncoder:
-    """The Rust tokenizer alone, with the EOS and padding ids: what encoding text documents needs (duck-typed as
-    an HF tokenizer for `dataset.tokenize_documents`)."""
+class LightTokenizer:
+    """The Rust tokenizer with the special tokens and chat template of its folder: what encoding training data needs
+    (duck-typed as an HF tokenizer for `dataset.tokenize_documents` and `build_sft`), without transformers' tokenizer
+    classes (which import torch: 300 MB per process)."""
 
     backend_tokenizer: object
-    eos_token_id: int | None
-    pad_token_id: int | None
+    special_tokens: dict[str, str]  # name (bos_token, ...) -> token, as HF's special_tokens_map
+    chat_template: str | None
+
+    def _id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self.backend_tokenizer.token_to_id(token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._id("pad_token")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._id("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    def apply_chat_template(self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = False):
+        """The conversation rendered as transformers renders it (same renderer, same variables)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        assert not tokenize, "renders text only"
+        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        rendered, _ = render_jinja_template(
+            conversations=[conversation],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+        return rendered[0]
 
 
-def text_encoder(folder: Path) -> TextEncoder | None:
-    """The folder's tokenizer.json with its special ids, where transformers encodes text exactly as it does (no
-    add_bos_token/add_eos_token override in tokenizer_config.json, special tokens named there); None otherwise. A
-    process that only encodes text then needs neither transformers nor torch (300 MB less per process)."""
+def light_tokenizer(folder: Path) -> LightTokenizer | None:
+    """The folder's tokenizer.json, special tokens and chat template, where transformers reads them as they are
+    written (tokenizer_config.json names the special tokens, overrides no BOS/EOS adding, holds at most one chat
+    template; no special_tokens_map.json); None otherwise (load the HF tokenizer)."""
     from tokenizers import Tokenizer
 
-    path, config_path = Path(folder) / HF_TOKENIZER, Path(folder) / CONFIG_FILES[0]
-    if not (path.is_file() and config_path.is_file()):
+    folder = Path(folder)
+    path, config_path = folder / HF_TOKENIZER, folder / CONFIG_FILES[0]
+    if not (path.is_file() and config_path.is_file()) or (folder / CONFIG_FILES[1]).is_file():
         return None
     config = read_json(config_path)
     if {"add_bos_token", "add_eos_token"} & config.keys() or "eos_token" not in config:
         return None
-    backend = Tokenizer.from_file(str(path))
-
-    def token_id(name: str) -> int | None:
+    special = {}
+    for name in SPECIAL_TOKENS:
         token = config.get(name)
         token = token.get("content") if isinstance(token, dict) else token
-        return None if token is None else backend.token_to_id(token)
-
-    eos = token_id("eos_token")
-    return TextEncoder(backend, eos, token_id("pad_token")) if eos is not None else None
+        if token is not None:
+            special[name] = str(token)
+    template_file = folder / CONFIG_FILES[2]
+    template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        return None  # named templates: transformers chooses among them
+    light = LightTokenizer(Tokenizer.from_file(str(path)), special, template)
+    return light if light.eos_token_id is not None else None
 
 
 def vocabulary_size(folder: Path) -> int:

@@ -21,6 +21,7 @@ from pipeline.core import config
 from pipeline.data import streamed
 from pipeline.data.assembly import Packing
 from pipeline.data.dataset import build_instruction, build_pretraining, save_splits
+from pipeline.data.mixing import Source, mix_instruction, mix_text
 from pipeline.data.tokenizer import load_tokenizer
 from tests.conftest import REPO
 
@@ -162,3 +163,46 @@ def test_a_killed_run_resumes_from_its_parts_and_writes_the_uninterrupted_bytes(
     figures = json.loads((tmp_path / "resumed.json").read_text())
     assert figures["parts_reused"] == finished >= 10 and figures["parts"] > figures["parts_reused"]
     assert not work.exists(), "the parts are removed once the dataset is written"
+
+
+@pytest.mark.parametrize("family", ["text", "sft"])
+def test_mixes_equal_the_in_memory_mix(tmp_path, smol, smol_tokenizer_dir, peoples_daily, family):
+    """The streamed mix of `data.sources` (each source in parts of its own, rows read across them) writes the bytes
+    and figures of mixing.mix_text / mix_instruction."""
+    if family == "text":
+        contents = [peoples_daily[:300], peoples_daily[300:380]]
+        sources = [Source("pd", tmp_path / "pd.txt", "text", 3.0), Source("more", tmp_path / "more", "text", 1.0)]
+        (tmp_path / "pd.txt").write_text("\n".join(contents[0]) + "\n", encoding="utf-8")
+        (tmp_path / "more").mkdir()
+        (tmp_path / "more" / "a.txt").write_text("\n".join(contents[1][:30]) + "\n", encoding="utf-8")
+        (tmp_path / "more" / "b.txt").write_text("\n".join(contents[1][30:]) + "\n", encoding="utf-8")
+        tables, stats = mix_text(
+            smol, sources, contents, block_size=64, tail="pad", validation_fraction=0.1, seed=3
+        )  # fmt: skip
+        pack = packing(tail="pad")
+    else:
+        alpaca = [
+            {"instruction": q, "input": "", "output": a}
+            for q, a in zip(peoples_daily[:80], peoples_daily[1:81], strict=True)
+        ]
+        chat = [
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in zip(peoples_daily[100:150], peoples_daily[101:151], strict=True)
+        ]
+        contents = [alpaca, chat]
+        sources = [Source("a", tmp_path / "a.jsonl", "alpaca", 1.0), Source("c", tmp_path / "c.jsonl", "chat", 2.0)]
+        for source, rows in zip(sources, contents, strict=True):
+            source.file.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        tables, stats = mix_instruction(
+            smol, sources, contents, template="chat", max_seq_len=96, validation_fraction=0.1, seed=3
+        )
+        pack = packing("alpaca", template="chat")
+    save_splits(tmp_path / "reference", tables)
+    out = tmp_path / "streamed"
+    figures = streamed.build_mix(
+        out, tokenizer_dir=smol_tokenizer_dir, sources=sources, packing=pack, work=tmp_path / "parts", workers=2,
+        chunk_chars=2500,
+    )  # fmt: skip
+    assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
+    assert figures.pop("sources") == stats.pop("sources")
+    assert {k: figures[k] for k in stats} == pytest.approx(stats)

@@ -111,16 +111,30 @@ def test_round_up():
 
 
 @pytest.mark.parametrize("folder", ["smol_tokenizer_dir", "sp_tokenizer_dir"])
-def test_text_encoder_encodes_documents_as_the_hf_tokenizer(request, folder, peoples_daily):
-    """The Rust-only encoder the text workers use gives the stream the HF tokenizer gives (or declines the folder)."""
-    from pipeline.data.dataset import tokenize_documents
-    from pipeline.data.tokenizer import load_tokenizer, text_encoder
+def test_light_tokenizer_encodes_data_as_the_hf_tokenizer(request, folder, peoples_daily):
+    """The Rust-only tokenizer the cache_dataset workers use gives the documents' stream and the SFT examples
+    (alpaca and chat templates) the HF tokenizer gives, or declines the folder."""
+    from pipeline.data.dataset import build_sft, tokenize_documents
+    from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
 
     path = request.getfixturevalue(folder)
-    light, full = text_encoder(path), load_tokenizer(path)
+    light, full = light_tokenizer(path), load_tokenizer(path)
     if light is None:
+        assert folder == "sp_tokenizer_dir", "our own tokenizer folders are read light"
         return
-    assert (light.eos_token_id, light.pad_token_id) == (full.eos_token_id, full.pad_token_id)
+    assert (light.eos_token_id, light.pad_token_id, light.bos_token_id) == (
+        full.eos_token_id, full.pad_token_id, full.bos_token_id
+    )  # fmt: skip
     documents = [*peoples_daily[:200], "Mixed English 文本 with digits 2026."]
     ours, theirs = tokenize_documents(light, documents), tokenize_documents(full, documents)
     assert (ours[0] == theirs[0]).all() and (ours[1] == theirs[1]).all()
+    rows = [{"instruction": q, "input": "x" * (i % 2), "output": a} for i, (q, a) in enumerate(zip(
+        peoples_daily[:40], peoples_daily[1:41], strict=True))]  # fmt: skip
+    rows.append({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"},
+                              {"role": "assistant", "content": "hello again", "tool_calls": None}]})  # fmt: skip
+    for template in ("alpaca", "chat") if full.chat_template else ("alpaca",):
+        usable = rows if template == "chat" else rows[:-1]
+        assert build_sft(light, usable, template=template, max_seq_len=64) == build_sft(
+            full, usable, template=template, max_seq_len=64
+        )
