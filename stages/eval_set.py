@@ -29,9 +29,6 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
                 for item in islice(items(source, data_format), count - held, None):  # streamed: one item held
                     out.write((item if data_format == "text" else json.dumps(item, ensure_ascii=False)) + "\n")
             print(f"eval_set: {args.name} = the last {held} item(s) of {source} (held out from training)")
-        elif source.is_dir():
-            shutil.copytree(source, tmp / source.name)
-            print(f"eval_set: {args.name} = {source}/")
         else:
             shutil.copy2(source, tmp / source.name)
             print(f"eval_set: {args.name} = {source}")

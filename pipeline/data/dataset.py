@@ -121,34 +121,33 @@ RENDERED_CHARS_PER_TOKEN = 32  # a row's rendering stops past this many characte
 
 
 def build_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) -> tuple[list, list, dict]:
-    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len. The rows'
-    segments are rendered first and encoded in one batch (Rust-side); a row's rendering stops past
-    RENDERED_CHARS_PER_TOKEN x max_seq_len characters, so long conversations cost no more than their beginning (a
-    row cut there that still fits is rendered again whole, so the result is exact)."""
+    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len. The segments of
+    DOCUMENTS_PER_CHUNK rows at a time are rendered first and encoded in one batch (Rust-side); a row's rendering
+    stops past RENDERED_CHARS_PER_TOKEN x max_seq_len characters, so long conversations cost no more than their
+    beginning (a row cut there that still fits is rendered again whole, so the result is exact)."""
     if template == "chat" and not tokenizer.chat_template:
         raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids[:1] == [bos]
     start = [bos] if adds_bos else []
-    rendered = [_render(tokenizer, row, template, RENDERED_CHARS_PER_TOKEN * max_seq_len) for row in rows]
-    pieces = iter(encode(tokenizer, [text for segments, _ in rendered for text, _ in segments], False))
     inputs, labels, truncated, dropped = [], [], 0, 0
-    for row, (segments, whole) in zip(rows, rendered, strict=True):
-        encoded = [(next(pieces), trained) for _, trained in segments]
-        ids, lab = _assemble(start, encoded, max_seq_len)
-        if not whole and len(ids) <= max_seq_len:  # cut by the character bound, yet short: render it all
-            segments = _render(tokenizer, row, template, None)[0]
-            encoded = [(piece, trained) for piece, (_, trained) in zip(
-                encode(tokenizer, [text for text, _ in segments], False), segments, strict=True
-            )]  # fmt: skip
-            ids, lab = _assemble(start, encoded, max_seq_len)
-        truncated += len(ids) > max_seq_len
-        ids, lab = ids[:max_seq_len], lab[:max_seq_len]
-        if lab.count(IGNORE_INDEX) == len(lab):
-            dropped += 1
-            continue
-        inputs.append(ids)
-        labels.append(lab)
+    for first in range(0, len(rows), DOCUMENTS_PER_CHUNK):
+        group = rows[first : first + DOCUMENTS_PER_CHUNK]
+        rendered = [_render(tokenizer, row, template, RENDERED_CHARS_PER_TOKEN * max_seq_len) for row in group]
+        pieces = iter(encode(tokenizer, [text for segments, _ in rendered for text, _ in segments], False))
+        for row, (segments, whole) in zip(group, rendered, strict=True):
+            ids, lab = _assemble(start, [(next(pieces), trained) for _, trained in segments], max_seq_len)
+            if not whole and len(ids) <= max_seq_len:  # cut by the character bound, yet short: render it all
+                segments = _render(tokenizer, row, template, None)[0]
+                encoded = encode(tokenizer, [text for text, _ in segments], False)
+                ids, lab = _assemble(start, [(p, t) for p, (_, t) in zip(encoded, segments, strict=True)], max_seq_len)
+            truncated += len(ids) > max_seq_len
+            ids, lab = ids[:max_seq_len], lab[:max_seq_len]
+            if lab.count(IGNORE_INDEX) == len(lab):
+                dropped += 1
+                continue
+            inputs.append(ids)
+            labels.append(lab)
     return inputs, labels, {"examples": len(rows), "truncated_examples": truncated, "dropped_examples": dropped}
 
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
 from pipeline.data.dataset import IGNORE_INDEX, split_indices, to_table
-from pipeline.data.inputs import data_files, items
+from pipeline.data.inputs import data_files, estimated_items, items
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
 
@@ -197,31 +197,29 @@ def _nbytes(rows: Blocks | Examples, indices: np.ndarray) -> int:
 
 
 def tokenized(
-    spec: str,
-    job: parts.Job,
-    *,
-    work: Path,
-    heldout_fraction: float | None,
-    workers: int,
-    chunk_chars: int,
-    total: int | None = None,
+    spec: str, job: parts.Job, *, work: Path, heldout_fraction: float | None, workers: int, chunk_chars: int
 ) -> tuple[int, list[dict], float]:
-    """Validate data path `spec` (whole, unless its `total` of items says it was: a bad line stops it before any
-    tokenizing), then tokenize its items (less the last `heldout_fraction`, when given) into parts under `work`;
-    (items, the parts' summaries, seconds)."""
-    total = verify(spec, job.data_format) if total is None else total
-    limit = total - held_out_count(total, heldout_fraction) if heldout_fraction is not None else total
+    """Tokenize the items of data path `spec` (less the last `heldout_fraction` of them, when given: then counted
+    first) into parts under `work`; (items, the parts' summaries, seconds). A bad line stops it with its file and
+    line; the check stage has read every input before (once: see `verified`)."""
+    limit = None
+    if heldout_fraction is not None:
+        total = verify(spec, job.data_format)
+        limit = total - held_out_count(total, heldout_fraction)
     parts.prepare(work, parts.key(job, inputs=data_files(spec), limit=limit, chunk_chars=chunk_chars))
     start = time.perf_counter()
     summaries = parts.tokenize(
         work,
         job,
         islice(items(spec, job.data_format), limit),
-        total=limit,
+        total=limit if limit is not None else estimated_items(spec),
         workers=workers,
         chunk_chars=chunk_chars,
     )
-    return limit, summaries, time.perf_counter() - start
+    count = sum(s["items"] for s in summaries)
+    if count == 0:
+        raise ValueError(f"{spec}: data file is empty")
+    return count, summaries, time.perf_counter() - start
 
 
 def _pad_id(tokenizer_dir: Path) -> int:
@@ -302,10 +300,8 @@ def build_mix(
     mix is chosen from the items' token counts, and the rows are read across the sources' parts. Figures as
     `build`'s, plus `sources` (planned and realised shares)."""
     p = packing
-    totals = []
-    for i, source in enumerate(sources):  # every source checked before any is tokenized
+    for i, source in enumerate(sources):  # every source found before any is tokenized
         mixing.check_source(source, f"data.sources.{i}")
-        totals.append(verify(source.file, source.format))
     counts, streams, labels, lengths, summaries, seconds = [], [], [], [], [], 0.0
     for i, source in enumerate(sources):
         job = parts.Job(str(tokenizer_dir), source.format, p.template, p.max_seq_len)
@@ -317,7 +313,6 @@ def build_mix(
             heldout_fraction=None,
             workers=workers,
             chunk_chars=chunk_chars,
-            total=totals[i],
         )
         indices = [s["index"] for s in done]
         if job.family == "sft" and not sum(s["tokens"] for s in done):

@@ -122,12 +122,12 @@ def test_folders_globs_jsonl_parquet_and_compression_read_as_one_plain_file(
         assert folder_bytes(out) == folder_bytes(reference)
 
 
-def test_bad_rows_are_named_before_anything_is_tokenized(tmp_path, smol, smol_tokenizer_dir):
+def test_bad_rows_are_named_and_nothing_is_written(tmp_path, smol, smol_tokenizer_dir):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"a.jsonl:2: a JSON object in a text source without a 'text' field"):
         stream(tmp_path, smol_tokenizer_dir, tmp_path / "corpus", packing())
-    assert not (tmp_path / "s").exists() and not (tmp_path / "s.parts").exists()
+    assert not (tmp_path / "s").exists()
     with pytest.raises(FileNotFoundError, match=r"no file matches this glob"):
         stream(tmp_path, smol_tokenizer_dir, tmp_path / "nothing*.txt", packing())
 
