@@ -12,7 +12,7 @@ from pipeline.core.atomic import atomic_path, read_json, write_json
 from pipeline.data import assembly, mixing, streamed
 from stages._common import run
 
-CHUNK_CHARS = 4_000_000  # characters of input per part: what a worker holds, and what a kill can lose
+CHUNK_CHARS = 1_000_000  # characters of input per part: what a worker holds, and what a kill can lose
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:

@@ -170,16 +170,21 @@ def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], 
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    from pipeline.data.dataset import build_sft
+    """A chunk of SFT rows as int32 arrays, built DOCUMENTS_PER_CHUNK rows at a time (their Python lists of ids and
+    labels live for one group, not for the chunk)."""
+    from pipeline.data.dataset import DOCUMENTS_PER_CHUNK, build_sft
 
-    inputs, labels, stats = build_sft(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
-    lengths = np.array([len(ids) for ids in inputs], dtype=np.int32)
-    flat = {
-        "ids": np.fromiter(chain.from_iterable(inputs), np.int32, count=int(lengths.sum())),
-        "labels": np.fromiter(chain.from_iterable(labels), np.int32, count=int(lengths.sum())),
-        "lengths": lengths,
-    }
-    return flat, {**stats, "tokens": int(lengths.sum())}
+    arrays, stats = {name: [] for name in SFT}, {}
+    for first in range(0, len(rows), DOCUMENTS_PER_CHUNK):
+        group = rows[first : first + DOCUMENTS_PER_CHUNK]
+        inputs, labels, counts = build_sft(tokenizer, group, template=job.template, max_seq_len=job.max_seq_len)
+        lengths = np.fromiter(map(len, inputs), np.int32, count=len(inputs))
+        arrays["ids"].append(np.fromiter(chain.from_iterable(inputs), np.int32, count=int(lengths.sum())))
+        arrays["labels"].append(np.fromiter(chain.from_iterable(labels), np.int32, count=int(lengths.sum())))
+        arrays["lengths"].append(lengths)
+        stats = {key: stats.get(key, 0) + value for key, value in counts.items()}
+    flat = {name: np.concatenate(pieces) if pieces else np.zeros(0, np.int32) for name, pieces in arrays.items()}
+    return flat, {**stats, "tokens": int(flat["lengths"].sum())}
 
 
 class Progress:
