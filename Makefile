@@ -59,7 +59,7 @@ params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does) and
 	python -m pipeline.core.config
 	python -m tools.config_reference
 
-bench: run ## benchmarks against the tools users would otherwise use
+bench: run ## benchmarks against the tools users would otherwise use (each --smoke mode runs in make test)
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 	python -m bench.train

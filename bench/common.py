@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import statistics
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 RESULTS = Path("bench/results")
+SMOKE_OVERRIDES = ["experiment=tiny"]  # with model.path= a tiny random LLaMA: what `make repro-check` runs
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -23,10 +26,10 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, objec
     return statistics.median(times), result
 
 
-def report(name: str, figures: dict) -> None:
-    """Print the figures and keep them in bench/results/NAME.json."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+def report(name: str, figures: dict, results: Path = RESULTS) -> None:
+    """Print the figures and keep them in RESULTS/NAME.json (bench/results unless `results` names another)."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
     print(f"== {name}")
     for key, value in figures.items():
         print(f"  {key:32s} {value}")
@@ -94,3 +97,52 @@ def run_tree_peak(command: list[str], interval: float = 0.02) -> tuple[float, fl
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{''.join(output)[-4000:]}")
     return seconds, total_peak / 2**20
+
+
+def smoke_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every benchmark's smoke mode takes: --smoke, --results DIR, --project DIR."""
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI size: a tiny random LLaMA, a few steps, a small corpus (make test)"
+    )
+    parser.add_argument(
+        "--results", type=Path, help="folder for NAME.json (default: bench/results; with --smoke a temporary folder)"
+    )
+    parser.add_argument(
+        "--project",
+        type=Path,
+        help="with --smoke: a copy of the project where `dvc repro` ran experiment=tiny (default: made here, ~80 s)",
+    )
+
+
+def results_folder(args: argparse.Namespace) -> Path:
+    """Where the figures go: --results, else bench/results at full size; a smoke run never writes bench/results (the
+    recorded full-size figures) and without --results goes to a new temporary folder."""
+    if not args.smoke:
+        return args.results or RESULTS
+    if args.results is None:
+        folder = Path(tempfile.mkdtemp(prefix="bench-smoke-results-"))
+        print(f"bench: the smoke run's figures go to {folder}", flush=True)
+        return folder
+    if args.results.resolve() == RESULTS.resolve():
+        raise SystemExit(f"--results {args.results}: a smoke run does not overwrite the recorded full-size figures")
+    return args.results
+
+
+@contextlib.contextmanager
+def smoke_project(project: Path | None) -> Iterator[Path]:
+    """A project where the tiny pipeline ran (experiment=tiny on a tiny random LLaMA: artifacts/, metrics/,
+    data/corpus/ and dvc.lock as `make run` leaves them, at smoke size): `project` when given (the tests pass the one
+    their session built), else a fresh copy of this one, run by `dvc repro` in a temporary folder removed after."""
+    if project is not None:
+        if not (project / "dvc.lock").is_file() or not (project / "artifacts" / "merged").is_dir():
+            raise SystemExit(f"--project {project}: no dvc.lock or artifacts/merged; `dvc repro` has not run there")
+        yield project.resolve()
+        return
+    from tools.repro_check import REPO, copy_project, run_pipeline, tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-smoke-") as tmp:
+        work = Path(tmp)
+        print(f"bench: running the tiny pipeline in {work / 'project'} (--project DIR reuses one)", flush=True)
+        root = copy_project(work / "project", REPO)
+        run_pipeline(root, [*SMOKE_OVERRIDES, f"model.path={tiny_model(work)}"])
+        yield root

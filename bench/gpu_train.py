@@ -5,6 +5,7 @@ of training.figures.mfu (4N per token + attention) and with 6N for comparison, a
 least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
 
     python -m bench.gpu_train [--steps 30] [--checkpointing]
+    python -m bench.gpu_train --smoke [--results DIR]   # a tiny random LLaMA, 3 steps of 64 tokens (make test, gpu)
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from bench.common import report
-from bench.scale_check import write_random_llama
+from bench.common import report, results_folder, smoke_arguments, smoke_project
+from bench.scale_check import SMOKE_SHAPE, write_random_llama
 from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import with_venv_path
@@ -31,11 +32,12 @@ SHAPE = {  # Llama-3-8B
     "rope_theta": 500000.0,
 }  # fmt: skip
 BLOCK = 4096
+SMOKE_BLOCK, SMOKE_STEPS, SMOKE_LINES = 64, 3, 200  # steps > the 2 warm-up steps; lines of the tiny corpus
 
 
-def overrides(steps: int, checkpointing: bool) -> list[str]:
+def overrides(steps: int, checkpointing: bool, block: int = BLOCK) -> list[str]:
     return [
-        f"data.block_size={BLOCK}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.target_modules=all-linear",
+        f"data.block_size={block}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "lora.target_modules=all-linear",
         f"train.max_steps={steps}", "train.warmup_steps=2", "train.micro_batch_size=1", "train.global_batch_size=1",
         "train.precision=bf16", f"train.gradient_checkpointing={str(checkpointing).lower()}", "deepspeed=zero2",
         "launcher.accelerator=cuda", "launcher.ranks_per_node=1", f"train.eval_every={steps}",
@@ -43,29 +45,26 @@ def overrides(steps: int, checkpointing: bool) -> list[str]:
     ]  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--checkpointing", action="store_true", help="recompute activations (less memory)")
-    parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench.gpu_train: no CUDA device here; nothing measured")
-        return
+def measure(
+    *, shape: dict, block: int, steps: int, checkpointing: bool, tokenizer: Path, data: tuple[str, ...] = ()
+) -> dict:
+    """Cache the corpus and train the random model of `shape` on one GPU, in a temporary folder; the figures.
+    `data`: overrides naming other corpus files than params' default (data/corpus/, from `make run`)."""
     with tempfile.TemporaryDirectory(prefix="gpu-train-") as tmp:
         work = Path(tmp)
         params = work / "params.yaml"
-        params.write_text(yaml.safe_dump(config.compose("conf", overrides(args.steps, args.checkpointing))))
-        n_params = write_random_llama(work / "base", args.tokenizer, shape=SHAPE)
+        composed = config.compose("conf", [*overrides(steps, checkpointing, block), *data])
+        params.write_text(yaml.safe_dump(composed))
+        n_params = write_random_llama(work / "base", tokenizer, shape=shape)
         env = with_venv_path()
         subprocess.run([
-            sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", str(args.tokenizer),
+            sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", str(tokenizer),
             "--base-config", str(work / "base" / "config.json"), "--out", str(work / "dataset"),
             "--metrics", str(work / "dataset.json"), "--run-id-file", str(work / "run.json"),
         ], check=True, env=env)  # fmt: skip
         subprocess.run([
             sys.executable, "-m", "stages.train", "--params", str(params), "--base", str(work / "base"),
-            "--tokenizer", str(args.tokenizer), "--dataset", str(work / "dataset"), "--checkpoints",
+            "--tokenizer", str(tokenizer), "--dataset", str(work / "dataset"), "--checkpoints",
             str(work / "ckpt"), "--metrics", str(work / "train.json"), "--curve", str(work / "curve.csv"),
             "--run-id-file", str(work / "run.json"),
         ], check=True, env=env)  # fmt: skip
@@ -73,12 +72,12 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(0)
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     tokens_per_s = metrics["tokens_per_s"]
-    figures = {
+    return {
         "device": name,
         "parameters": n_params,
-        "steps": args.steps,
-        "block": BLOCK,
-        "gradient_checkpointing": args.checkpointing,
+        "steps": steps,
+        "block": block,
+        "gradient_checkpointing": checkpointing,
         "tokens_per_s_per_gpu": round(tokens_per_s, 1),
         "mfu_4n_attention": metrics["mfu"],
         "mfu_6n": round(tokens_per_s * 6 * n_params / (peak * 1e12), 4) if peak else None,
@@ -86,7 +85,36 @@ def main(argv: list[str] | None = None) -> None:
         "target_tokens_per_s": 12_500,
         "target_mfu": 0.45,
     }
-    report("gpu_train", figures)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--checkpointing", action="store_true", help="recompute activations (less memory)")
+    parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
+    smoke_arguments(parser)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.gpu_train: no CUDA device here; nothing measured")
+        return
+    results = results_folder(args)
+    if not args.smoke:
+        figures = measure(
+            shape=SHAPE, block=BLOCK, steps=args.steps, checkpointing=args.checkpointing, tokenizer=args.tokenizer
+        )
+        report("gpu_train", figures, results)
+        return
+    with smoke_project(args.project) as project, tempfile.TemporaryDirectory(prefix="gpu-train-smoke-") as tmp:
+        corpus = project / "data/corpus"
+        train_file = Path(tmp) / "train.txt"
+        lines = (corpus / "peoples_daily_train.txt").read_text(encoding="utf-8").splitlines(keepends=True)
+        train_file.write_text("".join(lines[:SMOKE_LINES]), encoding="utf-8")
+        data = (f"data.train_file={train_file}", f"data.heldout_file={corpus / 'peoples_daily_heldout.txt'}")
+        figures = measure(
+            shape=SMOKE_SHAPE, block=SMOKE_BLOCK, steps=SMOKE_STEPS, checkpointing=args.checkpointing,
+            tokenizer=project / "artifacts/tokenizer", data=data,
+        )  # fmt: skip
+    report("gpu_train", {**figures, "smoke": True}, results)
 
 
 if __name__ == "__main__":

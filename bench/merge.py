@@ -2,15 +2,20 @@
 .save_pretrained(out) (after resizing the base to the adapter's vocabulary), on the default model and adapter, in
 one run: wall time and peak memory ratios (targets: at most 1.0x time, 0.5x memory). Ours is timed without and
 with its logits verification (the reference verifies nothing). `--large` also merges a random 1.2B-parameter
-LLaMA stored in 500 MB shards, to show the streaming bound. Needs `make run` first."""
+LLaMA stored in 500 MB shards, to show the streaming bound. Needs `make run` first.
+
+    python -m bench.merge [--large]
+    python -m bench.merge --smoke [--results DIR]   # the tiny pipeline's base and adapter (make test)
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import report, run_measured
+from bench.common import report, results_folder, run_measured, smoke_arguments, smoke_project
 from pipeline.core.atomic import read_json
 
 BASE, ADAPTER = Path("artifacts/base"), Path("artifacts/adapter")
@@ -59,13 +64,14 @@ def _ours(base: Path, adapter: Path, out: Path, *, verify: bool, shard: str = "2
     return [sys.executable, *command, "--max-shard-size", shard, *flags]
 
 
-def main(large: bool) -> None:
+def measure(base: Path, adapter: Path, *, large: bool) -> dict:
+    """Both sides on `base` and `adapter`, each in its own measured process; with `large`, ours on the 1.2B too."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        reference = [sys.executable, "-m", "bench.merge", "reference", str(BASE), str(ADAPTER), str(work / "peft")]
+        reference = [sys.executable, "-m", "bench.merge", "reference", str(base), str(adapter), str(work / "peft")]
         ref_seconds, ref_peak, _ = run_measured(reference)
-        seconds, peak, _ = run_measured(_ours(BASE, ADAPTER, work / "ours", verify=False))
-        verified_seconds, verified_peak, _ = run_measured(_ours(BASE, ADAPTER, work / "verified", verify=True))
+        seconds, peak, _ = run_measured(_ours(base, adapter, work / "ours", verify=False))
+        verified_seconds, verified_peak, _ = run_measured(_ours(base, adapter, work / "verified", verify=True))
         figures = {
             "reference_seconds": round(ref_seconds, 2), "ours_seconds": round(seconds, 2),
             "time_ratio": round(seconds / ref_seconds, 3), "target_time_ratio": 1.0,
@@ -86,7 +92,22 @@ def main(large: bool) -> None:
                 large_parameters=int(params), large_largest_shard_mb=round(shard / 2**20, 1),
                 large_seconds=round(seconds, 2), large_peak_memory_mb=round(peak, 1),
             )  # fmt: skip
-    report("merge", figures)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--large", action="store_true", help="also merge a random 1.2B LLaMA in 500 MB shards")
+    smoke_arguments(parser)
+    args = parser.parse_args(argv)
+    results = results_folder(args)
+    if not args.smoke:
+        report("merge", measure(BASE, ADAPTER, large=args.large), results)
+        return
+    if args.large:
+        parser.error("--large and --smoke: the smoke run merges the tiny model only")
+    with smoke_project(args.project) as project:
+        report("merge", {**measure(project / BASE, project / ADAPTER, large=False), "smoke": True}, results)
 
 
 if __name__ == "__main__":
@@ -95,4 +116,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["make-large"]:
         large_base(Path(sys.argv[2]))
     else:
-        main("--large" in sys.argv)
+        main()

@@ -4,7 +4,9 @@ A randomly initialised LLaMA of Llama-3.2-3B's shape (3.2 B parameters, bf16, ge
 seed into a safetensors folder) runs through every stage, as `dvc repro` runs them (the same commands, in the
 graph's order, each under a wrapper that measures its seconds and the peak resident memory of its largest
 process): train with 2 CPU ranks under ZeRO-3 for a few steps of short blocks, consolidate, merge with its
-verification, evaluate on a small text. Then the old loading path (every rank loads the whole base in fp32, as
+verification, evaluate on a small text. The training data is a generated corpus of several GB (People's Daily's
+training file repeated, --data-mb), so check, cache_dataset and train show their memory at the users' data scale
+too. Then the old loading path (every rank loads the whole base in fp32, as
 train did before) is started with 2 ranks inside a memory cgroup the size of this machine's free memory, to show
 that it cannot run here. Writes metrics/scale_check.json in the check's copy of the project and prints the table.
 
@@ -47,6 +49,19 @@ OVERRIDES = [
     "model.dtype=bfloat16", "tracking.uri=", "eval.max_new_tokens=4",
 ]  # fmt: skip
 SHARD_BYTES = 2 * 10**9
+DATA_MB, SMOKE_DATA_MB = 3072, 8
+CORPUS = "data/corpus/scale_check_corpus.txt"  # in the check's copy of the project
+
+
+def write_corpus(path: Path, megabytes: int) -> int:
+    """People's Daily's training file repeated to at least `megabytes` MB, at `path`; its bytes."""
+    from tools.repro_check import REPO
+
+    block = (REPO / "data/corpus/peoples_daily_train.txt").read_bytes()
+    with path.open("wb") as out:
+        for _ in range(-(-megabytes * 2**20 // len(block))):
+            out.write(block)
+    return path.stat().st_size
 
 
 def write_random_llama(out: Path, tokenizer_dir: Path, seed: int = 0, shape: dict | None = None) -> int:
@@ -142,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "scale-check")
     parser.add_argument("--smoke", action="store_true", help="a tiny model: the same stages, in a few minutes")
+    parser.add_argument("--data-mb", type=int, help=f"training corpus size (default {DATA_MB}; smoke {SMOKE_DATA_MB})")
     args = parser.parse_args(argv)
     os.environ.update(with_venv_path())  # the stage commands call `python`, `deepspeed`
     work = args.workdir
@@ -158,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if project.exists():
         sh(["rm", "-rf", str(project)], work)
     copy_project(project, REPO)
-    sh([sys.executable, "-m", "pipeline.core.config", *OVERRIDES, f"model.path={base}"], project)
+    corpus_bytes = write_corpus(project / CORPUS, args.data_mb or (SMOKE_DATA_MB if args.smoke else DATA_MB))
+    data = [f"data.train_file={CORPUS}", "data.heldout_file=data/corpus/peoples_daily_heldout.txt"]
+    sh([sys.executable, "-m", "pipeline.core.config", *OVERRIDES, *data, f"model.path={base}"], project)
     rows = []
     for stage, command in stage_commands(project):
         seconds, peak_mb, _ = run_measured(["bash", "-c", f"cd {project} && {command}"])
@@ -171,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": parameters,
         "bf16_model_gb": round(2 * parameters / 1e9, 2),
         "fp32_model_gb": round(4 * parameters / 1e9, 2),
+        "corpus_mb": round(corpus_bytes / 2**20),
+        "dataset": read_json(project / "metrics/dataset.json"),
         "stages": rows,
         "train_peak_memory_mb_per_rank": train["peak_memory_mb_per_rank"],
         "train_load_peak_mb_per_rank": train.get("load_peak_mb_per_rank"),

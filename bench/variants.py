@@ -3,7 +3,9 @@ the default model: one process per variant, the base in bf16 (or quantized from 
 tensors, forward + backward + step on random tokens. Also the base's weight memory: bf16 against nf4 and int8.
 Needs the prepared base (`dvc repro prepare_base`, or BASE=folder).
 
-    python -m bench.variants [--base artifacts/base] [--steps 4] [--variants lora dora nf4]"""
+    python -m bench.variants [--base artifacts/base] [--steps 4] [--variants lora dora nf4]
+    python -m bench.variants --merge-gap
+    python -m bench.variants --smoke [--results DIR]   # both, on the tiny pipeline's base, 1 step (make test)"""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import report, run_measured
+from bench.common import report, results_folder, run_measured, smoke_arguments, smoke_project
 
 VARIANTS = {  # name: (lora spec changes, lr_ratio, quantization)
     "lora": ({}, None, None),
@@ -25,6 +27,9 @@ VARIANTS = {  # name: (lora spec changes, lr_ratio, quantization)
     "int8": ({}, None, "int8"),
     "dora_nf4": ({"use_dora": True}, None, "nf4"),
 }
+# Plain LoRA (the reference) and the variants that between them take every option: LoRA+'s lr ratio, int8, DoRA on
+# nf4 (dora, nf4 and all_linear alone add no code path); one process each.
+SMOKE_VARIANTS = ["lora", "loraplus", "int8", "dora_nf4"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -87,41 +92,62 @@ def merge_gap(base: Path, kind: str, workdir: Path) -> dict:
     }
 
 
+def measure(base: Path, variants: list[str], *, steps: int, batch: int, tokens: int) -> dict:
+    """Every variant in its own measured process, and each against plain LoRA where it ran."""
+    figures: dict[str, object] = {"batch": f"{batch} x {tokens} tokens, bf16, 1 thread", "steps": steps}
+    for variant in variants:
+        command = [sys.executable, "-m", "bench.variants", "--one", variant, "--base", str(base)]
+        command += ["--steps", str(steps), "--batch", str(batch), "--tokens", str(tokens)]
+        _, peak_mb, output = run_measured(command)
+        result = json.loads(output.strip().splitlines()[-1])
+        figures[variant] = {**result, "peak_rss_mb": round(peak_mb, 1)}
+        print(variant, figures[variant], flush=True)
+    plain = figures.get("lora")
+    for variant in variants:
+        if isinstance(plain, dict) and variant != "lora":
+            figures[variant]["step_time_vs_lora"] = round(figures[variant]["step_seconds"] / plain["step_seconds"], 2)
+            figures[variant]["peak_rss_vs_lora"] = round(figures[variant]["peak_rss_mb"] / plain["peak_rss_mb"], 2)
+    return figures
+
+
+def merge_gaps(base: Path) -> dict:
+    """merge_gap of each quantization kind, in a temporary folder."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {kind: merge_gap(base, kind, Path(tmp)) for kind in ("nf4", "int8")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", type=Path, default=Path("artifacts/base"))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all (--smoke: SMOKE_VARIANTS)")
     parser.add_argument("--merge-gap", action="store_true", help="only measure the QLoRA merge's gaps")
     parser.add_argument("--one", choices=list(VARIANTS), help=argparse.SUPPRESS)  # the worker process
+    smoke_arguments(parser)
     args = parser.parse_args()
-    if args.merge_gap:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            report("variants_merge_gap", {kind: merge_gap(args.base, kind, Path(tmp)) for kind in ("nf4", "int8")})
-        return
     if args.one:
         print(json.dumps(one(args.base, args.one, args.steps, args.batch, args.tokens)))
         return
+    results = results_folder(args)
+    if args.smoke:  # 1 step of 1 x 32 tokens, then the merge gaps, on the tiny pipeline's base
+        with smoke_project(args.project) as project:
+            base = project / "artifacts/base"
+            figures = measure(base, args.variants or SMOKE_VARIANTS, steps=1, batch=1, tokens=32)
+            report("variants", {**figures, "smoke": True}, results)
+            report("variants_merge_gap", {**merge_gaps(base), "smoke": True}, results)
+        return
     if not (args.base / "config.json").is_file():
         raise SystemExit(f"{args.base}: no prepared base; run `dvc repro prepare_base` or pass --base")
-    figures: dict[str, object] = {"batch": f"{args.batch} x {args.tokens} tokens, bf16, 1 thread", "steps": args.steps}
-    for variant in args.variants:
-        command = [sys.executable, "-m", "bench.variants", "--one", variant, "--base", str(args.base)]
-        command += ["--steps", str(args.steps), "--batch", str(args.batch), "--tokens", str(args.tokens)]
-        _, peak_mb, output = run_measured(command)
-        result = json.loads(output.strip().splitlines()[-1])
-        figures[variant] = {**result, "peak_rss_mb": round(peak_mb, 1)}
-        print(variant, figures[variant], flush=True)
-    plain = figures.get("lora")
-    for variant in args.variants:
-        if isinstance(plain, dict) and variant != "lora":
-            figures[variant]["step_time_vs_lora"] = round(figures[variant]["step_seconds"] / plain["step_seconds"], 2)
-            figures[variant]["peak_rss_vs_lora"] = round(figures[variant]["peak_rss_mb"] / plain["peak_rss_mb"], 2)
-    report("variants", figures)
+    if args.merge_gap:
+        report("variants_merge_gap", merge_gaps(args.base), results)
+        return
+    variants = args.variants or list(VARIANTS)
+    figures = measure(args.base, variants, steps=args.steps, batch=args.batch, tokens=args.tokens)
+    report("variants", figures, results)
 
 
 if __name__ == "__main__":

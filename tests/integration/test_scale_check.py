@@ -27,3 +27,4 @@ def test_scale_check_smoke_runs_every_stage(tmp_path):
     assert all(row["peak_memory_mb"] > 0 for row in result["stages"])
     assert result["train_zero3_partitioned"][0] == result["train_zero3_partitioned"][1]
     assert result["old_loading_path"] == {"skipped": "--smoke"}
+    assert result["corpus_mb"] >= 8 and result["dataset"]["tokens"] > 4_000_000, "the generated corpus was trained on"

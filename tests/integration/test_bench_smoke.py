@@ -1,0 +1,82 @@
+"""The benchmarks cannot rot: each one's --smoke mode runs its full code path (ours and the peer's side by side, where
+the peer is installed) at a tiny size, on the project the session's tiny pipeline left (tiny_pipeline, shared with
+the repro check), and writes its figures where --results says, never into bench/results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.common import RESULTS, results_folder
+from pipeline.core.environment import with_venv_path
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+SIDES = ("reference_seconds", "ours_seconds", "reference_peak_memory_mb", "ours_peak_memory_mb")
+POSITIVE = {  # bench: {results file: the figures that must be positive}
+    "noop_repro": {"noop_repro": ["median_seconds"]},
+    "train": {
+        "train": [
+            f"{kind}_fp32.{key}"
+            for kind in ("text", "chat")
+            for key in ("ours_tokens_per_s", "eager_tokens_per_s", "ours_peak_mb_per_rank")
+        ]
+    },
+    "consolidate": {"consolidate": list(SIDES)},
+    "merge": {"merge": [*SIDES, "ours_verified_seconds"]},
+    "evaluate": {"evaluate": [*SIDES, "reference_bits_per_byte", "ours_bits_per_byte", "tokens"]},
+    "track": {"track": list(SIDES)},
+    "convert": {"convert": [f"workers{n}_{key}" for n in (1, 2) for key in (*SIDES, "tensors_equal")]},
+    "variants": {
+        "variants": [
+            f"{v}.{key}" for v in ("lora", "loraplus", "int8", "dora_nf4") for key in ("step_seconds", "peak_rss_mb")
+        ],
+        "variants_merge_gap": ["nf4.against_quantized_base.max_abs_logit_diff", "int8.against_quantized_base.mean_kl"],
+    },
+    "gpu_train": {"gpu_train": ["tokens_per_s_per_gpu", "peak_gpu_memory_mb"]},
+}
+PEER_TRAIN = ["text_fp32.llamafactory_tokens_per_s", "chat_fp32.llamafactory_tokens_per_s", "text_fp32.speedup"]
+
+
+def figure(figures: dict, dotted: str) -> float:
+    for key in dotted.split("."):
+        figures = figures[key]
+    return figures
+
+
+@pytest.fixture(scope="module")
+def project(tiny_pipeline):
+    """The tiny pipeline's first project (read only here: noop_repro repros in a copy of it)."""
+    return tiny_pipeline.roots[0]
+
+
+@pytest.mark.parametrize(
+    "bench", [*(b for b in POSITIVE if b != "gpu_train"), pytest.param("gpu_train", marks=pytest.mark.gpu)]
+)
+def test_smoke_runs_both_sides(bench, project, tmp_path):
+    started = time.time()
+    command = [sys.executable, "-m", f"bench.{bench}", "--smoke", "--results", str(tmp_path), "--project", str(project)]
+    done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name, keys in POSITIVE[bench].items():
+        figures = json.loads((tmp_path / f"{name}.json").read_text())
+        assert figures["smoke"] is True
+        if name == "train" and not figures["llamafactory"].startswith("skipped"):
+            keys = [*keys, *PEER_TRAIN]
+        for key in keys:
+            assert figure(figures, key) > 0, f"{name}.json: {key} = {figure(figures, key)}"
+        recorded = REPO / RESULTS / f"{name}.json"
+        assert not recorded.exists() or recorded.stat().st_mtime < started, f"the smoke run wrote {recorded}"
+    if bench == "evaluate":  # the same definitions on both sides: the same figure
+        assert figures["ours_bits_per_byte"] == pytest.approx(figures["reference_bits_per_byte"], abs=1e-3)
+
+
+def test_a_smoke_run_never_overwrites_the_recorded_figures():
+    with pytest.raises(SystemExit, match="recorded full-size figures"):
+        results_folder(argparse.Namespace(smoke=True, results=RESULTS, project=None))
