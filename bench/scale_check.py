@@ -50,7 +50,7 @@ OVERRIDES = [
 ]  # fmt: skip
 SHARD_BYTES = 2 * 10**9
 DATA_MB, SMOKE_DATA_MB = 3072, 8
-CORPUS = "data/corpus/scale_check_corpus.txt"  # in the check's copy of the project
+CORPUS = "scale_corpus/corpus.txt"  # in the check's copy of the project (data/corpus is prepare_corpus's output)
 
 
 def write_corpus(path: Path, megabytes: int) -> int:
@@ -58,6 +58,7 @@ def write_corpus(path: Path, megabytes: int) -> int:
     from tools.repro_check import REPO
 
     block = (REPO / "data/corpus/peoples_daily_train.txt").read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as out:
         for _ in range(-(-megabytes * 2**20 // len(block))):
             out.write(block)
