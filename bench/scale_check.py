@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import run_measured
+from bench.common import peoples_daily_text, run_measured
 from pipeline.checkpoints import model_files, safetensors_stream
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.environment import with_venv_path
@@ -55,9 +55,7 @@ CORPUS = "scale_corpus/corpus.txt"  # in the check's copy of the project (data/c
 
 def write_corpus(path: Path, megabytes: int) -> int:
     """People's Daily's training file repeated to at least `megabytes` MB, at `path`; its bytes."""
-    from tools.repro_check import REPO
-
-    block = (REPO / "data/corpus/peoples_daily_train.txt").read_bytes()
+    block = peoples_daily_text()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as out:
         for _ in range(-(-megabytes * 2**20 // len(block))):
