@@ -32,7 +32,7 @@ def test_two_runs_from_scratch_give_the_same_outputs(tiny_pipeline):
 def test_a_difference_is_reported(tiny_pipeline, tmp_path: Path):
     first, second = tmp_path / "first", tmp_path / "second"
     for root in (first, second):
-        for name in ("dvc.lock", "metrics/eval.json", "metrics/train.json"):
+        for name in ("dvc.lock", "metrics/eval.json", "metrics/train.json", "metrics/dataset.json"):
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(tiny_pipeline.roots[0] / name, root / name)
     lock = yaml.safe_load((second / "dvc.lock").read_text())
