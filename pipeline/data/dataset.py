@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
 
@@ -94,84 +93,124 @@ def alpaca_messages(row: dict) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": row["output"]}]
 
 
-def chat_segments(tokenizer, messages: list[dict]) -> Iterator[tuple[str, bool]]:
-    """Render messages with the chat template, lazily, as (text, is_assistant_reply) segments."""
-    done = ""
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-        full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        if not (prompt.startswith(done) and full.startswith(prompt)):
-            raise ValueError("the chat template does not render conversations incrementally; use an alpaca template")
-        yield prompt[len(done) :], False
-        yield full[len(prompt) :], True
-        done = full
-
-
-def sft_segments(tokenizer, row: dict, template: str) -> Iterator[tuple[str, bool]]:
+def sft_segments(tokenizer, row: dict, template: str) -> list[tuple[str, bool]]:
     """One example as (text, trained) segments: prompts untrained, responses (with EOS) trained."""
-    if "messages" in row:
-        return chat_segments(tokenizer, row["messages"])
-    if template == "chat":
-        return chat_segments(tokenizer, alpaca_messages(row))
-    return iter([(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)])
+    return rendered_segments(tokenizer, [row], template, None)[0][0]
+
+
+def rendered_segments(
+    tokenizer, rows: list[dict], template: str, max_chars: int | None
+) -> list[tuple[list[tuple[str, bool]], bool]]:
+    """Each row's (text, trained) segments, and whether they are all of them: a conversation stops after the turn
+    whose rendering passes `max_chars` characters (None: no bound). Conversations are rendered with the chat
+    template a turn at a time for all rows at once (two template calls per turn, not per row and turn): turn k's
+    prompt is the conversation before its k-th reply with the generation prompt, the reply is what the template
+    writes after it."""
+    segments: list[list[tuple[str, bool]]] = [[] for _ in rows]
+    chats: dict[int, list[dict]] = {}
+    for k, row in enumerate(rows):
+        if "messages" in row or template == "chat":
+            chats[k] = row["messages"] if "messages" in row else alpaca_messages(row)
+        else:
+            segments[k] = [(alpaca_prompt(row, template), False), (row["output"] + (tokenizer.eos_token or ""), True)]
+    replies = {k: [i for i, m in enumerate(chat) if m["role"] == "assistant"] for k, chat in chats.items()}
+    done, cut = dict.fromkeys(chats, ""), set()
+    for turn in range(max(map(len, replies.values()), default=0)):
+        active = [k for k in chats if turn < len(replies[k]) and k not in cut]
+        ends = [replies[k][turn] for k in active]
+        prompts = _render(tokenizer, [chats[k][:end] for k, end in zip(active, ends, strict=True)], True)
+        fulls = _render(tokenizer, [chats[k][: end + 1] for k, end in zip(active, ends, strict=True)], False)
+        for k, prompt, full in zip(active, prompts, fulls, strict=True):
+            if not (prompt.startswith(done[k]) and full.startswith(prompt)):
+                raise ValueError(
+                    "the chat template does not render conversations incrementally; use an alpaca template"
+                )
+            segments[k] += [(prompt[len(done[k]) :], False), (full[len(prompt) :], True)]
+            done[k] = full
+            if max_chars is not None and len(full) > max_chars and turn + 1 < len(replies[k]):
+                cut.add(k)
+    return [(row_segments, k not in cut) for k, row_segments in enumerate(segments)]
+
+
+def _render(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
+    if not conversations:
+        return []
+    return tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 RENDERED_CHARS_PER_TOKEN = 32  # a row's rendering stops past this many characters per max_seq_len token
 
 
 def build_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) -> tuple[list, list, dict]:
-    """Tokenize SFT rows; labels are -100 on prompt tokens; examples are truncated to max_seq_len. The segments of
-    DOCUMENTS_PER_CHUNK rows at a time are rendered first and encoded in one batch (Rust-side); a row's rendering
-    stops past RENDERED_CHARS_PER_TOKEN x max_seq_len characters, so long conversations cost no more than their
-    beginning (a row cut there that still fits is rendered again whole, so the result is exact)."""
+    """`sft_arrays` as lists: each kept example's token ids and labels, and the counts."""
+    arrays, counts = sft_arrays(tokenizer, rows, template=template, max_seq_len=max_seq_len)
+    if not len(arrays["lengths"]):
+        return [], [], counts
+    bounds = np.cumsum(arrays["lengths"])[:-1]
+    inputs, labels = (np.split(arrays[name], bounds) for name in ("ids", "labels"))
+    return [a.tolist() for a in inputs], [a.tolist() for a in labels], counts
+
+
+def sft_arrays(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) -> tuple[dict[str, np.ndarray], dict]:
+    """Tokenize SFT rows into int32 arrays: `ids` and `labels` (-100 on prompt tokens) of the kept examples end to
+    end, and their `lengths`; each example is truncated to max_seq_len, and dropped when truncation leaves it no
+    trained token. The counts: examples, truncated and dropped ones. DOCUMENTS_PER_CHUNK rows at a time are rendered
+    (`rendered_segments`, whose rendering stops past RENDERED_CHARS_PER_TOKEN x max_seq_len characters, so long
+    conversations cost no more than their beginning; a row cut there that still fits is rendered again whole, so the
+    result is exact), encoded in one batch (Rust-side), then masked and cut with array operations."""
     if template == "chat" and not tokenizer.chat_template:
         raise ValueError("data.prompt_template: 'chat' needs a tokenizer with a chat template; this one has none")
     bos = tokenizer.bos_token_id
     adds_bos = bos is not None and tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids[:1] == [bos]
     start = [bos] if adds_bos else []
-    inputs, labels, truncated, dropped = [], [], 0, 0
+    groups, counts = [], {"examples": len(rows), "truncated_examples": 0, "dropped_examples": 0}
     for first in range(0, len(rows), DOCUMENTS_PER_CHUNK):
         group = rows[first : first + DOCUMENTS_PER_CHUNK]
-        rendered = [_render(tokenizer, row, template, RENDERED_CHARS_PER_TOKEN * max_seq_len) for row in group]
+        rendered = rendered_segments(tokenizer, group, template, RENDERED_CHARS_PER_TOKEN * max_seq_len)
         pieces = iter(encode(tokenizer, [text for segments, _ in rendered for text, _ in segments], False))
+        encoded = []
         for row, (segments, whole) in zip(group, rendered, strict=True):
-            ids, lab = _assemble(start, [(next(pieces), trained) for _, trained in segments], max_seq_len)
-            if not whole and len(ids) <= max_seq_len:  # cut by the character bound, yet short: render it all
-                segments = _render(tokenizer, row, template, None)[0]
-                encoded = encode(tokenizer, [text for text, _ in segments], False)
-                ids, lab = _assemble(start, [(p, t) for p, (_, t) in zip(encoded, segments, strict=True)], max_seq_len)
-            truncated += len(ids) > max_seq_len
-            ids, lab = ids[:max_seq_len], lab[:max_seq_len]
-            if lab.count(IGNORE_INDEX) == len(lab):
-                dropped += 1
-                continue
-            inputs.append(ids)
-            labels.append(lab)
-    return inputs, labels, {"examples": len(rows), "truncated_examples": truncated, "dropped_examples": dropped}
+            ids = [next(pieces) for _ in segments]
+            if not whole and len(start) + sum(map(len, ids)) <= max_seq_len:  # cut, yet short: render it all
+                segments = sft_segments(tokenizer, row, template)
+                ids = encode(tokenizer, [text for text, _ in segments], False)
+            encoded.append((ids, [trained for _, trained in segments]))
+        arrays, truncated, dropped = _masked_examples(encoded, start, max_seq_len)
+        groups.append(arrays)
+        counts["truncated_examples"] += truncated
+        counts["dropped_examples"] += dropped
+    empty = np.zeros(0, np.int32)
+    return {name: np.concatenate([g[name] for g in groups]) if groups else empty for name in SFT_ARRAYS}, counts
 
 
-def _render(tokenizer, row: dict, template: str, max_chars: int | None) -> tuple[list[tuple[str, bool]], bool]:
-    """A row's segments, up to the first that passes `max_chars` characters; and whether they are all of them."""
-    segments, chars = [], 0
-    for text, trained in sft_segments(tokenizer, row, template):
-        segments.append((text, trained))
-        chars += len(text)
-        if max_chars is not None and chars > max_chars:
-            return segments, False
-    return segments, True
+SFT_ARRAYS = ("ids", "labels", "lengths")
 
 
-def _assemble(start: list[int], encoded: list[tuple[list[int], bool]], max_seq_len: int) -> tuple[list, list]:
-    """Token ids and labels of encoded segments (prompts -100), up to the segment that passes max_seq_len."""
-    ids, lab = list(start), [IGNORE_INDEX] * len(start)
-    for piece, trained in encoded:
-        ids += piece
-        lab += piece if trained else [IGNORE_INDEX] * len(piece)
-        if len(ids) > max_seq_len:
-            break
-    return ids, lab
+def _masked_examples(
+    encoded: list[tuple[list[list[int]], list[bool]]], start: list[int], max_seq_len: int
+) -> tuple[dict[str, np.ndarray], int, int]:
+    """Examples from their encoded segments (with whether each is trained): `start` + the segments' tokens, labels
+    -100 on untrained segments, cut to max_seq_len; those left without a trained token dropped. The arrays, and how
+    many examples were truncated and dropped."""
+    pieces = [piece for ids, _ in encoded for piece in ids]
+    piece_lengths = np.fromiter(map(len, pieces), np.int64, count=len(pieces))
+    flat = np.fromiter(chain.from_iterable(pieces), np.int32, count=int(piece_lengths.sum()))
+    trained = np.fromiter(chain.from_iterable(flags for _, flags in encoded), bool, count=len(pieces))
+    flat_labels = np.where(np.repeat(trained, piece_lengths), flat, np.int32(IGNORE_INDEX)).astype(np.int32)
+    piece_starts = np.concatenate([[0], np.cumsum(piece_lengths)])
+    per_example = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in encoded], dtype=np.int64)])
+    first, total = piece_starts[per_example[:-1]], piece_starts[per_example[1:]] - piece_starts[per_example[:-1]]
+    body = np.minimum(total, max_seq_len - len(start))  # tokens kept after `start`
+    trained_before = np.concatenate([[0], np.cumsum(flat_labels != IGNORE_INDEX)])
+    kept = trained_before[first + body] > trained_before[first]
+    first, body = first[kept], body[kept]
+    starts = np.concatenate([[0], np.cumsum(body)])[:-1]
+    take = np.arange(int(body.sum())) + np.repeat(first - starts, body)
+    ids, labels = flat[take], flat_labels[take]
+    if start:
+        ids, labels = np.insert(ids, starts, start[0]), np.insert(labels, starts, IGNORE_INDEX)
+    arrays = {"ids": ids, "labels": labels, "lengths": (body + len(start)).astype(np.int32)}
+    return arrays, int((total + len(start) > max_seq_len).sum()), int((~kept).sum())
 
 
 def to_table(inputs, labels) -> pa.Table:

@@ -9,12 +9,14 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}  # any other suffix is plain text
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
 REQUIRED_FIELDS = {"text": (), "alpaca": ("instruction", "output"), "chat": ("messages",), "jsonl": ()}
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
+LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
 
 def data_files(spec: Path | str) -> list[Path]:
@@ -78,30 +80,55 @@ def estimated_items(spec: Path | str) -> int:
 
 def lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line) of a text or JSONL file, numbered as str.splitlines counts lines; invalid UTF-8 is
-    refused with its line."""
-    number, offset = 0, 0
+    refused with its line. Decoded a block of whole lines at a time."""
+    number, newlines, offset, rest = 0, 0, 0, b""
     with open_bytes(path) as file:
-        for newline, raw in enumerate(file):
+        while True:
+            block = file.read(LINES_BLOCK)
+            data = rest + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            head, rest = data[:cut], data[cut:]
             try:
-                text = raw.decode("utf-8")
+                text = head.decode("utf-8")
             except UnicodeDecodeError as err:
+                line = newlines + head.count(b"\n", 0, err.start) + 1
                 raise ValueError(
-                    f"{path}:{newline + 1}: invalid UTF-8 (byte offset {offset + err.start}); expected UTF-8 text"
+                    f"{path}:{line}: invalid UTF-8 (byte offset {offset + err.start}); expected UTF-8 text"
                 ) from None
-            offset += len(raw)
             for line in text.splitlines():
                 number += 1
                 yield number, line
+            newlines, offset = newlines + head.count(b"\n"), offset + len(head)
+            if not block:
+                return
 
 
-def items(spec: Path | str, data_format: str) -> Iterator:
+class Line(NamedTuple):
+    """A JSONL line not yet parsed (`items(..., deferred=True)`): the cache_dataset workers parse it."""
+
+    path: str
+    number: int
+    text: str
+
+
+def items(spec: Path | str, data_format: str, *, deferred: bool = False) -> Iterator:
     """Every item of a data path in order: `text` documents (non-blank lines of a text file, else the "text" field of
-    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat; "jsonl": any object)."""
+    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat; "jsonl": any object). With
+    `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the work is done."""
     for path in data_files(spec):
-        yield from file_items(path, data_format)
+        yield from file_items(path, data_format, deferred=deferred)
 
 
-def file_items(path: Path, data_format: str) -> Iterator:
+def parsed(item, data_format: str):
+    """The item a deferred `Line` holds (checked as `items` checks it); any other item as it is."""
+    if not isinstance(item, Line):
+        return item
+    required = () if data_format == "text" else REQUIRED_FIELDS[data_format]
+    row = check_row(item.path, item.number, item.text, required)
+    return _document(item.path, item.number, row) if data_format == "text" else row
+
+
+def file_items(path: Path, data_format: str, *, deferred: bool = False) -> Iterator:
     """The items of one data file (see `items`)."""
     required = ("text",) if data_format == "text" else REQUIRED_FIELDS[data_format]
     if kind(path) == "parquet":
@@ -113,12 +140,14 @@ def file_items(path: Path, data_format: str) -> Iterator:
                 yield line.strip()
         return
     for number, line in lines(path):  # JSONL (any suffix but .parquet holds JSONL rows in the row formats)
-        if line.strip():
+        if line.strip() and deferred:
+            yield Line(str(path), number, line)
+        elif line.strip():
             row = check_row(path, number, line, () if data_format == "text" else required)
             yield _document(path, number, row) if data_format == "text" else row
 
 
-def _document(path: Path, where: int | str, row: dict) -> str:
+def _document(path: Path | str, where: int | str, row: dict) -> str:
     if "text" not in row:
         raise ValueError(
             f"{path}:{where}: a JSON object in a text source without a 'text' field; expected plain text (one "

@@ -16,13 +16,13 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from itertools import chain
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
-SFT = ("ids", "labels", "lengths")  # the arrays of an SFT part (a text part: ids, lengths)
+from pipeline.data.inputs import Line, parsed
+
 KEY_FILE = "key.json"
 
 
@@ -54,8 +54,8 @@ def chunks(items: Iterable, *, chunk_chars: int) -> Iterator[list]:
 
 
 def _chars(item) -> int:
-    if isinstance(item, str):
-        return len(item)
+    if isinstance(item, str | Line):
+        return len(item if isinstance(item, str) else item.text)
     messages = item.get("messages") or []
     return sum(len(v) for v in item.values() if isinstance(v, str)) + sum(len(m["content"]) for m in messages)
 
@@ -147,6 +147,7 @@ def tokenize_part(folder: Path, index: int, chunk: list, job: Job | None = None)
     if job is not None and _WORKER.get("job") != job:
         _WORKER.update(job=job, tokenizer=_tokenizer(job))
     job, tokenizer = _WORKER["job"], _WORKER["tokenizer"]
+    chunk = [parsed(item, job.data_format) for item in chunk]
     if job.family == "text":
         arrays, summary = _text_part(tokenizer, chunk)
     else:
@@ -170,21 +171,10 @@ def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], 
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    """A chunk of SFT rows as int32 arrays, built DOCUMENTS_PER_CHUNK rows at a time (their Python lists of ids and
-    labels live for one group, not for the chunk)."""
-    from pipeline.data.dataset import DOCUMENTS_PER_CHUNK, build_sft
+    from pipeline.data.dataset import sft_arrays
 
-    arrays, stats = {name: [] for name in SFT}, {}
-    for first in range(0, len(rows), DOCUMENTS_PER_CHUNK):
-        group = rows[first : first + DOCUMENTS_PER_CHUNK]
-        inputs, labels, counts = build_sft(tokenizer, group, template=job.template, max_seq_len=job.max_seq_len)
-        lengths = np.fromiter(map(len, inputs), np.int32, count=len(inputs))
-        arrays["ids"].append(np.fromiter(chain.from_iterable(inputs), np.int32, count=int(lengths.sum())))
-        arrays["labels"].append(np.fromiter(chain.from_iterable(labels), np.int32, count=int(lengths.sum())))
-        arrays["lengths"].append(lengths)
-        stats = {key: stats.get(key, 0) + value for key, value in counts.items()}
-    flat = {name: np.concatenate(pieces) if pieces else np.zeros(0, np.int32) for name, pieces in arrays.items()}
-    return flat, {**stats, "tokens": int(flat["lengths"].sum())}
+    arrays, counts = sft_arrays(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
+    return arrays, {**counts, "tokens": int(arrays["lengths"].sum())}
 
 
 class Progress:

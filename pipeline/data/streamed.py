@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
-from pipeline.data.dataset import IGNORE_INDEX, split_indices, to_table
+from pipeline.data.dataset import IGNORE_INDEX, SFT_ARRAYS, split_indices, to_table
 from pipeline.data.inputs import data_files, estimated_items, items
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
@@ -132,7 +132,7 @@ class Examples:
 
     @classmethod
     def of_parts(cls, folder: Path, indices: list[int]) -> Examples:
-        ids, labels, lengths = (Stream([parts.array_path(folder, i, name) for i in indices]) for name in parts.SFT)
+        ids, labels, lengths = (Stream([parts.array_path(folder, i, name) for i in indices]) for name in SFT_ARRAYS)
         return cls(ids, labels, lengths.read(0, len(lengths)))
 
     def take(self, indices: np.ndarray) -> pa.Table:
@@ -211,7 +211,7 @@ def tokenized(
     summaries = parts.tokenize(
         work,
         job,
-        islice(items(spec, job.data_format), limit),
+        islice(items(spec, job.data_format, deferred=True), limit),
         total=limit if limit is not None else estimated_items(spec),
         workers=workers,
         chunk_chars=chunk_chars,

@@ -76,19 +76,24 @@ class LightTokenizer:
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
 
-    def apply_chat_template(self, messages: list[dict], *, tokenize: bool = False, add_generation_prompt: bool = False):
-        """The conversation rendered as transformers renders it (same renderer, same variables)."""
+    def apply_chat_template(self, conversation: list, *, tokenize: bool = False, add_generation_prompt: bool = False):
+        """The conversation (a list of messages), or each of a batch of them, rendered as transformers renders it
+        (same renderer, same variables)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         assert not tokenize, "renders text only"
-        conversation = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        batched = bool(conversation) and isinstance(conversation[0], list | tuple)
+        chats = [
+            [{k: v for k, v in m.items() if v is not None} for m in chat]
+            for chat in (conversation if batched else [conversation])
+        ]
         rendered, _ = render_jinja_template(
-            conversations=[conversation],
+            conversations=chats,
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
         )
-        return rendered[0]
+        return rendered if batched else rendered[0]
 
 
 def light_tokenizer(folder: Path) -> LightTokenizer | None:

@@ -228,3 +228,68 @@ def test_opening_a_split_maps_none_of_its_rows(tmp_path):
     rows = SplitRows(tmp_path / "small_rows" / "train")
     assert _rss_file_mb() - before < 8
     assert len(rows) == len(ids) and np.array_equal(rows[123_457]["labels"], ids[123_457])
+
+
+def _reference_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: int):
+    """SFT examples as the definition says, a row and a segment at a time: the prompt of each assistant turn (the
+    conversation before it, with the generation prompt) untrained, the reply trained, BOS first where the tokenizer
+    adds one; cut to max_seq_len, dropped when nothing trained is left."""
+    from pipeline.data.dataset import alpaca_messages, alpaca_prompt
+
+    bos = tokenizer.bos_token_id
+    start = [bos] if bos is not None and tokenizer.encode("x")[:1] == [bos] else []
+    inputs, labels, truncated, dropped = [], [], 0, 0
+    for row in rows:
+        if template == "chat":
+            messages, segments, done = row.get("messages") or alpaca_messages(row), [], ""
+            for i, message in enumerate(messages):
+                if message["role"] == "assistant":
+                    prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+                    full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+                    segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+                    done = full
+        else:
+            segments = [(alpaca_prompt(row, template), False), (row["output"] + tokenizer.eos_token, True)]
+        ids, lab = list(start), [IGNORE_INDEX] * len(start)
+        for text, trained in segments:
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids, lab = ids + piece, lab + (piece if trained else [IGNORE_INDEX] * len(piece))
+        truncated += len(ids) > max_seq_len
+        ids, lab = ids[:max_seq_len], lab[:max_seq_len]
+        if all(t == IGNORE_INDEX for t in lab):
+            dropped += 1
+            continue
+        inputs.append(ids)
+        labels.append(lab)
+    return inputs, labels, {"examples": len(rows), "truncated_examples": truncated, "dropped_examples": dropped}
+
+
+@pytest.mark.parametrize("bound", ["usual", "every row cut"])
+@pytest.mark.parametrize("folder", ["smol_tokenizer_dir", "sp_tokenizer_dir"])
+def test_sft_examples_are_the_reference_row_by_row(request, folder, bound, peoples_daily, monkeypatch):
+    """The batched, array-built SFT examples equal the definition written out a row at a time, for short and long
+    rows (truncated, or dropped when the prompt fills max_seq_len), multi-turn chats, with and without BOS, and
+    where every conversation's rendering is cut by the character bound (then re-rendered whole if it fits)."""
+    from pipeline.data import dataset
+
+    if bound != "usual":
+        monkeypatch.setattr(dataset, "RENDERED_CHARS_PER_TOKEN", 1)
+    tokenizer = load_tokenizer(request.getfixturevalue(folder))
+    texts = peoples_daily[:300]
+    rows = [{"instruction": texts[i] * (1 + i % 5), "input": "", "output": texts[i + 1]} for i in range(0, 300, 3)]
+    chats = [
+        {"messages": [
+            *([{"role": "system", "content": "Be brief."}] if i % 2 else []),
+            *({"role": role, "content": texts[(i + k) % 300][: 20 + 30 * (k % 3)]}
+              for k, role in enumerate(["user", "assistant"] * (1 + i % 3))),
+        ]}
+        for i in range(60)
+    ]  # fmt: skip
+    for template, usable in (("alpaca", rows), ("chat", rows[:20] + chats)):
+        if template == "chat" and not tokenizer.chat_template:
+            continue
+        for max_seq_len in (24, 96, 4096):
+            got = build_sft(tokenizer, usable, template=template, max_seq_len=max_seq_len)
+            assert got == _reference_sft(tokenizer, usable, template=template, max_seq_len=max_seq_len)
+            if max_seq_len == 24:
+                assert got[2]["truncated_examples"] > 0 and got[2]["dropped_examples"] > 0
