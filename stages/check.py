@@ -37,6 +37,27 @@ def inputs(cfg: config.Config) -> list[tuple[str, str, str]]:
     return files
 
 
+def training_errors(cfg: config.Config, source: Path) -> list[str]:
+    """What the train stage would refuse, found now: the batch arithmetic, precision and ranks on this machine's
+    world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
+    header, on the meta device)."""
+    from pipeline.model import lora, outline
+    from pipeline.training import ds_config as dsc
+
+    errors = []
+    try:
+        dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+    except ValueError as err:
+        errors.append(str(err))
+    if cfg.lora.target_modules != lora.ALL_LINEAR:
+        try:
+            layers = outline.of_model(outline.meta_model(source))
+            lora.check_targets(layers, list(cfg.lora.target_modules), list(cfg.lora.modules_to_save))
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     errors, warnings = config.ineffective(cfg, config.validate(config.compose(args.conf), "conf/"))
     model = cfg.model.path
@@ -44,6 +65,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         source = assets.resolve(model)
         if not source.exists():
             errors.append(f"model.path: {model} does not exist; expected a .gguf file or an HF model folder")
+        else:
+            errors += training_errors(cfg, source)
     except FileNotFoundError as err:
         errors.append(f"model.path: {err}")
     if cfg.train.resume_from and not (Path(cfg.train.resume_from) / "latest").is_file():

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
+from pipeline.training import ds_config as dsc
 from pipeline.training import launch, plan, resume
 from pipeline.training.figures import write_curve
 from stages._common import run
@@ -15,7 +16,7 @@ from stages._common import run
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if cfg.lora.quantization == "none":
         imports.without_unused()  # a base without an outline is outlined from its architecture: model code
-    settings = plan.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+    settings = dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
     nodes = launch.Nodes(**cfg.launcher.model_dump(include={f.name for f in dataclasses.fields(launch.Nodes)}))
     planned = args.checkpoints / plan.FILE
     env = launch.rank_environment(

@@ -137,7 +137,7 @@ class DeepSpeedConfig(Section):
 
 
 class TrainConfig(Section):
-    global_batch_size: int = PositiveInt
+    global_batch_size: Annotated[int, Field(gt=0)] | Literal["auto"]
     micro_batch_size: int = PositiveInt
     gradient_accumulation_steps: Annotated[int, Field(gt=0)] | Literal["auto"]
     max_steps: int = PositiveInt

@@ -42,12 +42,18 @@ def _config_digest(base_dir: Path) -> str:
     return hashlib.sha256((base_dir / "config.json").read_bytes()).hexdigest()
 
 
-def meta_model(base_dir: Path) -> torch.nn.Module:
-    """The architecture without weights, on the meta device."""
+def meta_model(source: Path) -> torch.nn.Module:
+    """The architecture without weights, on the meta device, from a model folder's config or a GGUF file's header
+    (read as transformers reads it: prepare_base imports that file)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    source = Path(source)
+    if source.suffix == ".gguf":
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    else:
+        config = AutoConfig.from_pretrained(source)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+        return AutoModelForCausalLM.from_config(config)
 
 
 def write(base_dir: Path) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.core.config import LauncherConfig, TrainConfig
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 LEAN_LIVE = 100_000_000  # ZeRO-3 gathered elements kept live on CPU ranks (DeepSpeed's default: 1e9)
@@ -36,6 +40,44 @@ def check_precision(precision: str, accelerator: str) -> None:
         raise ValueError(f"train.precision: {precision} is not supported on {accelerator}; expected one of {usable}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """The `auto` settings made concrete for this machine."""
+
+    accelerator: str
+    ranks_per_node: int
+    num_nodes: int
+    world_size: int
+    precision: str
+    gradient_accumulation_steps: int
+    global_batch_size: int  # micro x accumulation x world size
+    gradient_checkpointing: bool
+
+
+def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
+    """Accelerator, ranks, precision, accumulation and activation checkpointing for this machine."""
+    accelerator = accelerator_name(launcher.accelerator)
+    ranks = ranks_on_this_node(launcher.ranks_per_node, accelerator)
+    world = ranks * launcher.num_nodes
+    checkpointing = train.gradient_checkpointing
+    accumulation = accumulation_steps(
+        train.gradient_accumulation_steps,
+        global_batch=train.global_batch_size,
+        micro=train.micro_batch_size,
+        world_size=world,
+    )
+    return Launch(
+        accelerator=accelerator,
+        ranks_per_node=ranks,
+        num_nodes=launcher.num_nodes,
+        world_size=world,
+        precision=training_precision(train.precision, accelerator),
+        gradient_accumulation_steps=accumulation,
+        global_batch_size=train.micro_batch_size * accumulation * world,
+        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+    )
+
+
 def ranks_on_this_node(requested: int | str, accelerator: str) -> int:
     """`launcher.ranks_per_node`: auto is one rank per visible GPU, 2 CPU ranks where there is none."""
     if requested != "auto":
@@ -57,8 +99,11 @@ def training_precision(requested: str, accelerator: str) -> str:
     return precision
 
 
-def accumulation_steps(requested: int | str, *, global_batch: int, micro: int, world_size: int) -> int:
-    """`train.gradient_accumulation_steps`: auto is whatever makes micro x accumulation x world = the global batch."""
+def accumulation_steps(requested: int | str, *, global_batch: int | str, micro: int, world_size: int) -> int:
+    """`train.gradient_accumulation_steps`: auto is whatever makes micro x accumulation x world = the global batch
+    (1 where the global batch is auto too: then it is micro x world)."""
+    if global_batch == "auto":
+        return 1 if requested == "auto" else int(requested)
     if requested != "auto":
         check_batch(global_batch, micro=micro, accumulation=int(requested), world_size=world_size)
         return int(requested)

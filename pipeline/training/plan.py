@@ -18,6 +18,7 @@ from pipeline.data.tokenizer import META, load_tokenizer
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
 from pipeline.training import ds_config as dsc
+from pipeline.training.ds_config import Launch
 from pipeline.training.schedule import Schedule
 
 FILE = "plan.json"
@@ -43,19 +44,6 @@ class Paths:
     tensorboard: Path | None = None
     final_state: Path | None = None  # tests: the gathered fp32 trainable tensors at the end
     loaded_state: Path | None = None  # tests: the state the run resumed from, with Adam's moments
-
-
-@dataclass(frozen=True, kw_only=True)
-class Launch:
-    """The `auto` settings made concrete for this machine."""
-
-    accelerator: str
-    ranks_per_node: int
-    num_nodes: int
-    world_size: int
-    precision: str
-    gradient_accumulation_steps: int
-    gradient_checkpointing: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,28 +85,6 @@ class Plan:
     run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
     pad_token_id: int
     resume: Resume = Resume()
-
-
-def resolve_launch(*, train: config.TrainConfig, launcher: config.LauncherConfig) -> Launch:
-    """Accelerator, ranks, precision, accumulation and activation checkpointing for this machine."""
-    accelerator = dsc.accelerator_name(launcher.accelerator)
-    ranks = dsc.ranks_on_this_node(launcher.ranks_per_node, accelerator)
-    world = ranks * launcher.num_nodes
-    checkpointing = train.gradient_checkpointing
-    return Launch(
-        accelerator=accelerator,
-        ranks_per_node=ranks,
-        num_nodes=launcher.num_nodes,
-        world_size=world,
-        precision=dsc.training_precision(train.precision, accelerator),
-        gradient_accumulation_steps=dsc.accumulation_steps(
-            train.gradient_accumulation_steps,
-            global_batch=train.global_batch_size,
-            micro=train.micro_batch_size,
-            world_size=world,
-        ),
-        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
-    )
 
 
 def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
@@ -177,7 +143,7 @@ def run_state(
         "modules_to_save": sorted(lora.modules_to_save),
         "use_dora": lora.use_dora,
     }
-    trajectory = {**train.model_dump(), "precision": launch.precision}
+    trajectory = {**train.model_dump(), "precision": launch.precision, "global_batch_size": launch.global_batch_size}
     settings = {
         "lora": lora.model_dump(),
         "train": {k: v for k, v in trajectory.items() if k not in UNTRACKED_TRAIN_KEYS},
@@ -217,7 +183,7 @@ def make(
         lr=train.lr,
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
-        global_batch=train.global_batch_size,
+        global_batch=launch.global_batch_size,
         lean_gathers=launch.accelerator == "cpu",  # memory is what runs out on CPU ranks
     )
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it

@@ -100,6 +100,15 @@ def _outputs(repo: Path) -> dict[str, str]:
         (["+lora.rank=8"], "unknown key 'lora.rank'; did you mean 'lora.r'?"),
         (["lora.rank=8"], "lora.rank"),  # Hydra's own refusal, before anything runs
         (["tokenizer.vocab_size=16000"], "tokenizer.vocab_size=16000 has no effect: tokenizer.extend is false"),
+        (
+            ["train.global_batch_size=3"],
+            "train.global_batch_size: 3 is not a multiple of train.micro_batch_size (1) x world size (2)",
+        ),  # on the 2 CPU ranks: found by check, not by train after DVC deleted its outputs
+        (
+            ["lora.target_modules=[q_proj,qkv_proj]"],
+            "lora.target_modules: ['qkv_proj'] match no Linear layer; "
+            "available: ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']",
+        ),
     ],
 )
 def test_a_mistake_stops_before_any_output_is_deleted(repo, own_run, mistake, message):
