@@ -148,11 +148,12 @@ def build(
     weight_decay: float,
     max_grad_norm: float,
     global_batch: int | None = None,
-    lean_gathers: bool = False,
+    accelerator: str = "cpu",
 ) -> dict:
-    """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's). `lean_gathers` (CPU ranks,
-    where memory is what runs out): ZeRO-3 keeps at most 1e8 gathered parameter elements live instead of 1e9
-    (figures: docs/scaling.md)."""
+    """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's) for ranks on `accelerator`. On
+    CPU ranks, where memory is what runs out, ZeRO-3 keeps at most 1e8 gathered parameter elements live instead of
+    1e9 (figures: docs/scaling.md); on GPUs, offloaded states live in pinned host memory (the copies to and from
+    the GPU run asynchronously; on CPU ranks there is no copy to pin for)."""
     section: dict = {"stage": zero.stage}
     if zero.stage > 0:
         section.update(overlap_comm=zero.overlap_comm, contiguous_gradients=zero.contiguous_gradients)
@@ -161,12 +162,13 @@ def build(
         section.update(reduce_scatter=True)
     if zero.stage == 3:
         section.update(stage3_gather_16bit_weights_on_model_save=False)
-        if lean_gathers:
+        if accelerator == "cpu":
             section.update(stage3_max_live_parameters=LEAN_LIVE, stage3_max_reuse_distance=LEAN_LIVE)
+    pinned = accelerator == "cuda"
     if zero.offload_optimizer:
-        section["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": pinned}
     if zero.offload_param:
-        section["offload_param"] = {"device": "cpu", "pin_memory": False}
+        section["offload_param"] = {"device": "cpu", "pin_memory": pinned}
     config = {
         "train_batch_size": check_batch(global_batch, micro=micro, accumulation=accumulation, world_size=world_size),
         "train_micro_batch_size_per_gpu": micro,

@@ -184,7 +184,7 @@ def make(
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
         global_batch=launch.global_batch_size,
-        lean_gathers=launch.accelerator == "cpu",  # memory is what runs out on CPU ranks
+        accelerator=launch.accelerator,
     )
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -1,0 +1,38 @@
+"""The launch and DeepSpeed settings made concrete for the machine: a global batch that follows the world unless it
+is stated, pinned offload on GPUs, lean ZeRO-3 gathers on CPU ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def test_an_auto_global_batch_grows_with_the_world_and_a_stated_one_is_checked():
+    from pipeline.core import config
+    from pipeline.training.ds_config import resolve_launch
+
+    def launch(world: int, *overrides: str):
+        cfg = config.Config(**config.compose(REPO / "conf", [f"launcher.ranks_per_node={world}", *overrides]))
+        return resolve_launch(train=cfg.train, launcher=cfg.launcher)
+
+    for world in (1, 2, 8, 16):  # the default: one row per rank and step
+        got = launch(world, "launcher.accelerator=cpu")
+        assert (got.global_batch_size, got.gradient_accumulation_steps) == (world, 1)
+    got = launch(8, "launcher.accelerator=cpu", "train.gradient_accumulation_steps=4", "train.micro_batch_size=2")
+    assert (got.global_batch_size, got.gradient_accumulation_steps) == (64, 4)
+    got = launch(8, "launcher.accelerator=cpu", "train.global_batch_size=32")
+    assert (got.global_batch_size, got.gradient_accumulation_steps) == (32, 4)
+    with pytest.raises(ValueError, match=r"train.global_batch_size: 2 is not a multiple of .* world size \(8\)"):
+        launch(8, "launcher.accelerator=cpu", "train.global_batch_size=2")
+
+
+def test_offloaded_states_are_pinned_on_gpus_and_gathers_lean_on_cpu_ranks():
+    from pipeline.training.ds_config import ZeroSettings, build
+
+    common = {"precision": "bf16", "micro": 1, "accumulation": 1, "world_size": 8, "lr": 1e-4, "weight_decay": 0.0}
+    zero = ZeroSettings(stage=3, offload_optimizer=True, offload_param=True)
+    for accelerator, pinned, lean in (("cuda", True, False), ("cpu", False, True)):
+        section = build(zero=zero, max_grad_norm=1.0, accelerator=accelerator, **common)["zero_optimization"]
+        assert section["offload_optimizer"] == section["offload_param"] == {"device": "cpu", "pin_memory": pinned}
+        assert ("stage3_max_live_parameters" in section) == lean
