@@ -105,9 +105,10 @@ def variant(lora: config.LoraConfig, launch: Launch) -> dict:
     bitsandbytes must quantize on this accelerator. Checkpoints carry it to the adapter, merge, evaluate and MLflow."""
     quantized = lora.quantization != "none"
     if quantized:
-        from pipeline.model.quantization import check_available
+        from pipeline.model.quantization import check_available, check_available_apart
 
-        version = check_available(lora.quantization, launch.accelerator)
+        probe = check_available_apart if launch.accelerator == "cuda" else check_available
+        version = probe(lora.quantization, launch.accelerator)
         print(f"train: the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
     compute = lora.compute_dtype if lora.compute_dtype != "auto" else launch.precision
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 
 import pytest
@@ -21,6 +22,7 @@ from pipeline.model.lora import (
     resolve_targets,
 )
 from pipeline.training.schedule import Schedule, lr_scheduler_factory
+from tests.conftest import REPO
 
 BNB = importlib.util.find_spec("bitsandbytes") is not None
 ROWS = 49152  # the tiny base's vocabulary
@@ -89,6 +91,25 @@ def test_bitsandbytes_that_cannot_quantize_here_is_refused_by_key(monkeypatch):
     monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_backend)
     with pytest.raises(ValueError, match=r"lora.quantization: bitsandbytes .* cannot quantize to nf4 on cpu here"):
         check_available("nf4", "cpu")
+
+
+@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+def test_the_gpu_probe_runs_apart_and_leaves_the_launching_process_clean():
+    """On a GPU the train stage probes bitsandbytes in a child process (here on the CPU, the same path): its answer
+    and its refusals come back, and the stage process imports nothing of it (nor starts CUDA)."""
+    code = (
+        "import sys\n"
+        "from pipeline.model.quantization import check_available_apart\n"
+        "print(check_available_apart('nf4', 'cpu'), 'bitsandbytes' in sys.modules)\n"
+        "try:\n    check_available_apart('nf4', 'no_such_device')\n"
+        "except ValueError as err:\n    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    first, refusal = done.stdout.splitlines()[:2]
+    assert first.endswith(" False") and first.split()[0][0].isdigit()
+    assert (
+        refusal.startswith("lora.quantization: bitsandbytes ") and "cannot quantize to nf4 on no_such_device" in refusal
+    )
 
 
 @pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
@@ -162,7 +183,6 @@ def test_track_stage_tags_the_run_with_the_variant(tmp_path, monkeypatch):
 
     from pipeline.core import config
     from stages import track
-    from tests.conftest import REPO
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
