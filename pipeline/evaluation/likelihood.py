@@ -95,22 +95,27 @@ def windows(example: Example, context: int, stride: int) -> list[tuple[list[int]
     return out
 
 
-LOGIT_BYTES = 1 << 26  # fp32 logits computed at a time when scoring (batch x positions x vocabulary x 4)
+LOGIT_BYTES = {"cpu": 1 << 26, "cuda": 1 << 30}  # fp32 logits computed at a time (batch x positions x vocabulary x 4)
 # Config attributes of heads that do more than a linear map (their logits come from the model's own forward).
 HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
     """-log p of every position's label (0 where the label is -100), flattened in (row, position) order. The head
-    runs on `chunk` positions at a time (default: LOGIT_BYTES of fp32 logits), so that batch x window x vocabulary
-    logits never exist in fp32 at once."""
+    runs on `chunk` positions at a time (default: LOGIT_BYTES of fp32 logits for the head's device), so that batch x
+    window x vocabulary logits never exist in fp32 at once. The result is on the head's device: a model spread over
+    GPUs ends there, whatever device its inputs came from."""
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = causal.get_output_embeddings()
     if any(getattr(causal.config, name, None) for name in HEAD_EXTRAS) or head is None:
         logits = model(input_ids=ids).logits.float()
+        labels = labels.to(logits.device)
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").reshape(-1)
     hidden = causal.get_decoder()(input_ids=ids).last_hidden_state
-    chunk = chunk or max(1, LOGIT_BYTES // (4 * ids.shape[0] * head.weight.shape[0]))
+    device = head.weight.device
+    budget = LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
+    chunk = chunk or max(1, budget // (4 * ids.shape[0] * head.weight.shape[0]))
+    hidden, labels = hidden.to(device), labels.to(device)  # the decoder may end on another GPU than the head
     parts = []
     for start in range(0, ids.shape[1], chunk):
         logits = head(hidden[:, start : start + chunk]).float().transpose(1, 2)
@@ -166,8 +171,8 @@ def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int)
 
 def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto"):
     """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), in bf16
-    where the hardware computes it natively (`precision` auto; see pipeline/core/precision.py) else fp32, spread over
-    every visible GPU (accelerate's device_map="auto") where there are GPUs, else on the CPU."""
+    where the hardware computes it natively (`precision` auto; see pipeline/core/precision.py) else fp32, placed by
+    `device_map`: on the CPU, on one GPU, or spread over the GPUs only where none holds it."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.core.precision import inference_dtype
@@ -176,10 +181,33 @@ def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "a
         raise FileNotFoundError(f"{model_dir}: no config.json; expected an HF model folder")
     cuda = torch.cuda.is_available()
     dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map="auto" if cuda else None)
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())] if cuda else []
+    placement = device_map(model_bytes(model_dir, dtype), free) if free else None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=placement)
     if adapter_dir is not None:
         model = with_adapter(model, adapter_dir)
     return model.eval()
+
+
+FIT = 0.8  # share of a GPU's free memory the weights may take when the whole model goes on one GPU
+
+
+def device_map(weight_bytes: int, free_bytes: list[int]) -> dict | str | None:
+    """Where the model goes: the CPU without GPUs (None); the whole model on the GPU with the most free memory where
+    its weights fit in FIT of it (the GPUs of a spread model run one at a time, so one GPU is as fast and leaves the
+    others free); spread over every GPU (accelerate's "auto") only where no GPU holds it."""
+    if not free_bytes:
+        return None
+    best = max(range(len(free_bytes)), key=free_bytes.__getitem__)
+    return {"": best} if weight_bytes <= FIT * free_bytes[best] else "auto"
+
+
+def model_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """The model's weights in `dtype`, from its safetensors headers (nothing loaded)."""
+    from pipeline.checkpoints import model_files
+
+    elements = sum(math.prod(t.shape) for t in model_files.model_tensors(model_dir).values())
+    return elements * dtype.itemsize
 
 
 def with_adapter(model, adapter_dir: Path):

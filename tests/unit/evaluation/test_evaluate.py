@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from pipeline.core import config
 from pipeline.core.atomic import read_json
@@ -218,3 +219,15 @@ def test_bf16_scores_agree_with_fp32(trained, peoples_daily):
         for precision in ("fp32", "bf16")
     }  # fmt: skip
     assert figures["bf16"] == pytest.approx(figures["fp32"], rel=0.01), figures
+
+
+def test_a_model_goes_whole_on_one_gpu_where_it_fits_and_is_spread_only_where_none_holds_it(tiny_base_dir):
+    from pipeline.evaluation.likelihood import FIT, device_map, model_bytes
+
+    gib = 1 << 30
+    assert device_map(16 * gib, []) is None  # no GPU: the CPU
+    assert device_map(16 * gib, [70 * gib, 79 * gib, 40 * gib]) == {"": 1}  # whole, on the freest GPU
+    assert device_map(140 * gib, [79 * gib] * 8) == "auto"  # a 70B in bf16: spread
+    assert device_map(int(FIT * 79 * gib) + 1, [79 * gib]) == "auto"
+    parameters = sum(t.numel() for t in load_file(tiny_base_dir / "model.safetensors").values())
+    assert model_bytes(tiny_base_dir, torch.bfloat16) == 2 * parameters
