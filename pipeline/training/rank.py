@@ -149,12 +149,16 @@ def _rounded(value):
 def load_figures(engine, loading: dict[str, float]) -> dict:
     """What loading the model cost each rank (host MB before and at the end of the load), and under ZeRO-3 how many
     of the parameters DeepSpeed does not keep whole (`ds_persist`: the small ones) are partitioned, a rank holding
-    at most its ceil(n / world) elements of each: all of them."""
+    at most its ceil(n / world) elements of each: all of them. `checkpointed_layers`: the layers whose activations
+    are recomputed in the backward pass (transformers marks them when activation checkpointing is on)."""
     import deepspeed.comm as dist
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     from pipeline.training.figures import per_rank
 
     figures = {f"load_{k}_mb_per_rank": [round(v, 1) for v in per_rank(x, engine.device)] for k, x in loading.items()}
+    layers = [m for m in engine.module.modules() if isinstance(m, GradientCheckpointingLayer)]
+    figures["checkpointed_layers"] = sum(m.gradient_checkpointing is True for m in layers)
     params = list(engine.module.parameters())
     if all(hasattr(p, "ds_numel") for p in params):
         world = dist.get_world_size()

@@ -304,3 +304,22 @@ def test_zero3_ranks_never_hold_the_whole_model(tmp_path, wide_model):
     added = [(peak - before) * 2**20 for peak, before in zip(
         metrics["load_peak_mb_per_rank"], metrics["load_before_mb_per_rank"], strict=True)]  # fmt: skip
     assert all(0 < mb < 0.7 * size for mb in added), (added, size)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_activation_checkpointing_trains_as_without_it(tmp_path, inputs, tiny_base_dir, reference, zero, kernels):
+    """Non-reentrant activation checkpointing (the default on GPUs) under ZeRO-2 and ZeRO-3, with our kernels and
+    without: the same losses and tensors as the one-rank run without it, within fp32 rounding."""
+    overrides = [
+        *TINY,
+        *TWO_RANKS,
+        f"deepspeed={zero}",
+        f"train.kernels={kernels}",
+        "train.gradient_checkpointing=true",
+    ]
+    train(inputs, tiny_base_dir, tmp_path, overrides)
+    assert read_json(tmp_path / "checkpoints" / "plan.json")["launch"]["gradient_checkpointing"] is True
+    assert read_json(tmp_path / "metrics.json")["checkpointed_layers"] == 2  # the tiny model's decoder layers
+    assert read_json(reference / "metrics.json")["checkpointed_layers"] == 0
+    assert_same_training(tmp_path, reference, atol=1e-5)
