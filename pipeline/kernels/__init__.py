@@ -3,7 +3,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 (figures: docs/kernels.md); turned off, a rank runs stock transformers + PEFT + DeepSpeed:
 
 - `lean_layers`: LLaMA's SwiGLU MLP and RMSNorm keeping less for the backward pass (any device; C++ on a CPU).
-- `fused_loss`: the output head and the cross-entropy a chunk at a time, no full logits (any device; not ZeRO-3).
+- `fused_loss`: the output head and the cross-entropy a chunk at a time, no full logits (any device; under ZeRO-3
+  where the head is frozen: it is gathered for the micro-batch).
 - `lora_linear`: a PEFT LoRA Linear layer's step as one autograd function (any device; not ZeRO-3).
 - `linear`: frozen fp32 Linear layers through oneDNN's matmul (CPU).
 - `attention`: SDPA's forward, the backward as matmuls in causal query blocks and two C++ passes (CPU).
@@ -28,7 +29,7 @@ MODULES = {  # imported only when chosen
 }
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
-NOT_UNDER_ZERO3 = ("fused_loss", "lora_linear")  # ZeRO-3 gathers a layer's weights only when that layer is called
+NOT_UNDER_ZERO3 = ("lora_linear",)  # ZeRO-3 gathers a layer's weights only when that layer is called
 
 
 def chosen(*, device: str, zero_stage: int, enabled: str) -> tuple[str, ...]:
@@ -49,6 +50,7 @@ def apply(model, *, device: str, zero_stage: int, enabled: str) -> dict[str, int
         module = importlib.import_module(MODULES[name])
         # lean_layers uses the C++ kernels only for a CPU run; the others pick per call, by their tensors' device
         options = {"cpp": device == "cpu"} if name == "lean_layers" else {}
+        options = {"partitioned": zero_stage == 3} if name == "fused_loss" else options
         installed[name] = int(module.install(model, **options))
     return installed
 

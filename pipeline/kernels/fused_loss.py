@@ -12,6 +12,7 @@ over the chunk (upcast, max, subtract, exp, sum, divide, downcast)."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from types import MethodType
 
 import torch
@@ -126,15 +127,34 @@ def fused_forward(
     keep = targets != IGNORE_INDEX
     hidden = out.last_hidden_state[keep]
     head = plain_head(self)
-    loss = linear_cross_entropy(hidden, head.weight, targets[keep])
+    with gathered(head.weight):
+        loss = linear_cross_entropy(hidden, head.weight, targets[keep])
     return CausalLMOutputWithPast(loss=loss)
 
 
-def install(model: torch.nn.Module) -> bool:
+def gathered(weight: torch.Tensor):
+    """Under ZeRO-3 (a partitioned parameter), the whole weight for the duration (the head's module is never called,
+    so ZeRO's hooks would not gather it), released after unless a module still holds it; otherwise nothing to do.
+    Collective: every rank computes its loss."""
+    if not hasattr(weight, "ds_id"):
+        return nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if weight.ds_status == ZeroParamStatus.AVAILABLE:  # a tied embedding the decoder gathered and still holds
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters([weight])
+
+
+def install(model: torch.nn.Module, partitioned: bool = False) -> bool:
     """Give the causal LM inside `model` (a PEFT model or the LM itself) the fused loss; False (unchanged) where
-    its head is not a plain Linear (see plain_head)."""
+    its head is not a plain Linear (see plain_head), or is trained and `partitioned` (ZeRO-3: its gradient must then
+    reach ZeRO through the head module's own hooks, so transformers' loss computes it)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if plain_head(lm) is None or lm.get_decoder() is lm:  # no separate decoder to run before the head
+    head = plain_head(lm)
+    if head is None or lm.get_decoder() is lm:  # no separate decoder to run before the head
+        return False
+    if partitioned and head.weight.requires_grad:
         return False
     lm.forward = MethodType(fused_forward, lm)
     return True

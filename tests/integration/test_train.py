@@ -323,3 +323,25 @@ def test_activation_checkpointing_trains_as_without_it(tmp_path, inputs, tiny_ba
     assert read_json(tmp_path / "metrics.json")["checkpointed_layers"] == 2  # the tiny model's decoder layers
     assert read_json(reference / "metrics.json")["checkpointed_layers"] == 0
     assert_same_training(tmp_path, reference, atol=1e-5)
+
+
+def test_the_fused_loss_under_zero3_gathers_a_frozen_head(tmp_path, inputs, tiny_base_dir, peoples_daily):
+    """ZeRO-3 partitions the output head; the fused loss gathers it for each micro-batch (its module is never
+    called) and trains what transformers' loss trains under ZeRO-2 with the kernels off, within fp32 rounding."""
+    from pipeline.data.dataset import build_pretraining, save_splits
+    from pipeline.data.tokenizer import META, load_tokenizer
+
+    own = tmp_path / "inputs"  # the base's own tokenizer: the embeddings keep their rows and stay frozen
+    shutil.copytree(tiny_base_dir, own / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tokenizer = load_tokenizer(own / "tokenizer")
+    meta = {"vocab_size": len(tokenizer), "padded_vocab_size": len(tokenizer)}
+    (own / "tokenizer" / META).write_text(json.dumps(meta))
+    tables, _ = build_pretraining(
+        tokenizer, peoples_daily[:120], block_size=64, tail="drop", validation_fraction=0.1, seed=0
+    )
+    save_splits(own / "dataset", tables)
+    frozen = [*TINY, *TWO_RANKS, "lora.modules_to_save=[]", "train.resize_embeddings=false"]
+    train(own, tiny_base_dir, tmp_path / "fused", [*frozen, "deepspeed=zero3"])
+    train(own, tiny_base_dir, tmp_path / "stock", [*frozen, "deepspeed=zero2", "train.kernels=off"])
+    assert read_json(tmp_path / "fused" / "metrics.json")["kernels"]["fused_loss"] == 1
+    assert_same_training(tmp_path / "fused", tmp_path / "stock", atol=1e-5)
