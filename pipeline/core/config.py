@@ -126,9 +126,12 @@ class DeepSpeedConfig(Section):
     offload_param: bool
     overlap_comm: bool
     contiguous_gradients: bool
+    hpz_partition_size: int = PositiveInt
 
     @model_validator(mode="after")
     def _offload(self) -> DeepSpeedConfig:
+        if self.hpz_partition_size > 1 and self.stage != 3:
+            raise ValueError(f"deepspeed.hpz_partition_size: needs deepspeed.stage=3, got stage={self.stage}")
         if self.offload_param and self.stage != 3:
             raise ValueError(f"deepspeed.offload_param: needs deepspeed.stage=3, got stage={self.stage}")
         if self.offload_optimizer and self.stage < 1:

@@ -135,6 +135,7 @@ class ZeroSettings:
     offload_param: bool = False
     overlap_comm: bool = False
     contiguous_gradients: bool = True
+    hpz_partition_size: int = 1
 
 
 def build(
@@ -162,6 +163,13 @@ def build(
         section.update(reduce_scatter=True)
     if zero.stage == 3:
         section.update(stage3_gather_16bit_weights_on_model_save=False)
+        if zero.hpz_partition_size > 1:  # ZeRO++: a secondary copy of the parameters within each group of ranks
+            if world_size % zero.hpz_partition_size:
+                raise ValueError(
+                    f"deepspeed.hpz_partition_size: {zero.hpz_partition_size} does not divide the world size "
+                    f"({world_size}); expected the ranks per node"
+                )
+            section.update(zero_hpz_partition_size=zero.hpz_partition_size)
         if accelerator == "cpu":
             section.update(stage3_max_live_parameters=LEAN_LIVE, stage3_max_reuse_distance=LEAN_LIVE)
     pinned = accelerator == "cuda"

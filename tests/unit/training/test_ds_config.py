@@ -36,3 +36,19 @@ def test_offloaded_states_are_pinned_on_gpus_and_gathers_lean_on_cpu_ranks():
         section = build(zero=zero, max_grad_norm=1.0, accelerator=accelerator, **common)["zero_optimization"]
         assert section["offload_optimizer"] == section["offload_param"] == {"device": "cpu", "pin_memory": pinned}
         assert ("stage3_max_live_parameters" in section) == lean
+
+
+def test_hierarchical_partitioning_is_set_for_zero3_within_the_world():
+    from pipeline.core import config
+    from pipeline.training.ds_config import ZeroSettings, build
+
+    common = {"precision": "bf16", "micro": 1, "accumulation": 1, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0}
+    section = build(zero=ZeroSettings(stage=3, hpz_partition_size=8), world_size=16, accelerator="cuda", **common)
+    assert section["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert (
+        "zero_hpz_partition_size" not in build(zero=ZeroSettings(stage=3), world_size=16, **common)["zero_optimization"]
+    )
+    with pytest.raises(ValueError, match=r"deepspeed.hpz_partition_size: 8 does not divide the world size \(12\)"):
+        build(zero=ZeroSettings(stage=3, hpz_partition_size=8), world_size=12, **common)
+    with pytest.raises(ValueError, match="deepspeed.hpz_partition_size: needs deepspeed.stage=3, got stage=2"):
+        config.Config(**config.compose(REPO / "conf", ["deepspeed.hpz_partition_size=8"]))
