@@ -190,13 +190,13 @@ class Nodes:
 
 
 def rank_environment(*, accelerator: str, ranks_per_node: int, kernels: str, keep_bitsandbytes: bool) -> dict:
-    """The ranks' environment: the venv first on PATH, the accelerator, one thread per core and rank on a CPU (all
-    cores per rank oversubscribes them), and the variables the speed paths need from the process's start."""
+    """The ranks' environment: the venv first on PATH, the accelerator, the node's cores shared among its ranks
+    (each rank's threads would otherwise use every core: on a CPU that oversubscribes them while training, on 8 GPUs
+    while loading; a value the user set is kept), and the variables the speed paths need from the process's start."""
     from pipeline import kernels as speed
 
     env = {**with_venv_path(), "DS_ACCELERATOR": accelerator}
-    if accelerator == "cpu":
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks_per_node)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // ranks_per_node)))
     for name, value in speed.environment(device=accelerator, enabled=kernels).items():
         env.setdefault(name, value)
     if keep_bitsandbytes:

@@ -52,3 +52,22 @@ def test_hierarchical_partitioning_is_set_for_zero3_within_the_world():
         build(zero=ZeroSettings(stage=3, hpz_partition_size=8), world_size=12, **common)
     with pytest.raises(ValueError, match="deepspeed.hpz_partition_size: needs deepspeed.stage=3, got stage=2"):
         config.Config(**config.compose(REPO / "conf", ["deepspeed.hpz_partition_size=8"]))
+
+
+def test_ranks_share_the_node_s_cores_on_every_accelerator(monkeypatch):
+    import os
+
+    from pipeline.training.launch import rank_environment
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for accelerator, ranks in (("cpu", 2), ("cuda", 8), ("cuda", 1)):
+        env = rank_environment(accelerator=accelerator, ranks_per_node=ranks, kernels="auto", keep_bitsandbytes=False)
+        assert env["OMP_NUM_THREADS"] == str(max(1, cores // ranks)) and env["DS_ACCELERATOR"] == accelerator
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is kept
+    assert (
+        rank_environment(accelerator="cuda", ranks_per_node=8, kernels="auto", keep_bitsandbytes=False)[
+            "OMP_NUM_THREADS"
+        ]
+        == "3"
+    )
