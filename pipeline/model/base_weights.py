@@ -78,15 +78,18 @@ def _embedding_names(model: torch.nn.Module) -> set[str]:
     return {name for name, param in model.named_parameters() if id(param) in weights}
 
 
-def load_whole(*, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int) -> torch.nn.Module:
-    """The base in `dtype`, its embeddings `vocab_rows` rows, each parameter read from the files into place a block
-    at a time (memory: the model in `dtype` and one block; from_pretrained would also map the whole files, which
-    count as the rank's memory while it converts them)."""
+def load_whole(
+    *, base_dir: Path, dtype: torch.dtype, vocab_rows: int, init: str, seed: int, device: str = "cpu"
+) -> torch.nn.Module:
+    """The base in `dtype` on `device` (a rank's GPU: no host copy of the model), its embeddings `vocab_rows` rows,
+    each parameter read from the files into place a block at a time (memory: the model in `dtype` and one block of
+    host memory; from_pretrained would also map the whole files, which count as the rank's memory while it converts
+    them)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     config = _grown_config(base_dir, vocab_rows)
-    with no_init_weights():
+    with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _fill(model, base_dir=base_dir, init=init, seed=seed, part=lambda param: (param.data.view(-1), 0, param.shape))
     return model

@@ -118,9 +118,9 @@ def load_lora_model(
     quantization: Quantization | None = None,
     device: str = "cpu",
 ):
-    """The base in the dtype it trains in (whole, or with `zero3_config` partitioned across the ranks as it is
-    built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings grown
-    to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
+    """The base in the dtype it trains in (whole on `device`, or with `zero3_config` partitioned across the ranks as
+    it is built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings
+    grown to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
     from peft import get_peft_model
 
     from pipeline.model import base_weights
@@ -134,7 +134,7 @@ def load_lora_model(
         if lora.use_dora:
             bnb_base.patch_peft_dequantize()
     elif zero3_config is None:
-        model = base_weights.load_whole(**common, seed=seed)
+        model = base_weights.load_whole(**common, seed=seed, device=device)
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
     outline = of_model(model)

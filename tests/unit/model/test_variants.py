@@ -200,3 +200,15 @@ def test_track_stage_tags_the_run_with_the_variant(tmp_path, monkeypatch):
     track.main(args, config.load(tmp_path / "params.yaml"))
     run = MlflowClient(uri).get_run(json.loads((tmp_path / "run.json").read_text())["run_id"])
     assert run.data.tags["variant"] == "LoRA on an int8 base" and run.data.tags["variant.quantization"] == "int8"
+
+
+def test_a_whole_base_is_built_on_the_rank_s_device(tiny_base_dir):
+    """ZeRO 0-2 on a GPU: the base is built on the rank's device and filled from the files a block at a time, never
+    whole in host memory first (the meta device stands in for a GPU: nothing is allocated, every file is read)."""
+    from pipeline.model.base_weights import load_whole
+
+    model = load_whole(
+        base_dir=tiny_base_dir, dtype=torch.bfloat16, vocab_rows=ROWS, init="mean", seed=0, device="meta"
+    )
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+    assert model.get_input_embeddings().weight.shape[0] == ROWS
