@@ -18,6 +18,7 @@ from pipeline.data.tokenizer import META, load_tokenizer
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
 from pipeline.training import ds_config as dsc
+from pipeline.training import memory_estimate
 from pipeline.training.ds_config import Launch
 from pipeline.training.schedule import Schedule
 
@@ -187,6 +188,16 @@ def make(
         global_batch=launch.global_batch_size,
         accelerator=launch.accelerator,
     )
+    estimate = memory_estimate.check_plan(
+        paths=paths,
+        state=state,
+        lora=lora,
+        deepspeed=deepspeed,
+        launch=launch,
+        micro=train.micro_batch_size,
+        ds_config=ds_config,
+    )
+    print(f"train: about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})

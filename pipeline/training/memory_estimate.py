@@ -1,0 +1,177 @@
+"""The memory a training rank will need, estimated before anything is loaded from the model's shapes (the model of
+docs/scaling.md, fitted on CPU ranks and checked on a 3.2 B model), and the refusal of a run that cannot fit,
+naming the settings that would: a 70B under ZeRO-2 is refused at plan time, not by the out-of-memory killer after
+eight ranks have each read the model."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from pipeline.checkpoints.model_files import model_tensors
+from pipeline.core.atomic import read_json
+from pipeline.training.ds_config import LEAN_LIVE
+
+INTERPRETER = {"cpu": 0.53e9, "cuda": 0.5e9}  # torch + DeepSpeed + transformers on a CPU rank; a CUDA context on a GPU
+HOST_PER_RANK = 0.53e9  # the same interpreter in host memory on a GPU node
+ACTIVATION_BYTES = {False: 34, True: 2}  # per token x hidden x layer in bf16 (x2 in fp32): without/with checkpointing
+LIVE = {"cpu": LEAN_LIVE, "cuda": 1_000_000_000}  # ZeRO-3's gathered elements kept live (DeepSpeed's default on GPUs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shapes:
+    """What the estimate needs of a model: parameters (embeddings at their trained rows), the largest one, the
+    trainable ones (LoRA and modules trained in full), and the activations' sizes."""
+
+    parameters: int
+    largest: int
+    trainable: int
+    hidden: int
+    layers: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """How a run holds the model: ZeRO stage, offload, ranks, precision and the tokens of a micro-batch."""
+
+    zero_stage: int
+    offload_param: bool
+    offload_optimizer: bool
+    world_size: int
+    dtype_bytes: int
+    tokens: int
+    checkpointing: bool
+    accelerator: str
+
+
+def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
+    """The model's shapes from its config and safetensors headers (nothing loaded); `targets`: LoRA's, as full
+    module paths or leaf names."""
+    config = read_json(base_dir / "config.json")
+    tensors = {name: list(t.shape) for name, t in model_tensors(base_dir).items()}
+    grown = {name: [vocab_rows, *shape[1:]] if shape[0] == config["vocab_size"] and len(shape) == 2 else shape
+             for name, shape in tensors.items()}  # fmt: skip
+    sizes = {name: _numel(shape) for name, shape in grown.items()}
+    trainable = 0
+    for name, shape in grown.items():
+        module = name.removesuffix(".weight")
+        leaf = module.rsplit(".", 1)[-1]
+        if name.endswith(".weight") and len(shape) == 2 and (module in targets or leaf in targets):
+            trainable += r * (shape[0] + shape[1])
+        if leaf in modules_to_save:
+            trainable += sizes[name]
+    return Shapes(
+        parameters=sum(sizes.values()),
+        largest=max(sizes.values()),
+        trainable=trainable,
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+    )
+
+
+def _numel(shape: list[int]) -> int:
+    total = 1
+    for n in shape:
+        total *= n
+    return total
+
+
+def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
+    """Bytes a rank needs on its device ("device") and, on a GPU node, in host memory ("host"; on CPU ranks both are
+    the same memory, counted under "device"): docs/scaling.md's terms."""
+    s, b, w = setting, setting.dtype_bytes, setting.world_size
+    activations = s.tokens * model.hidden * model.layers * ACTIVATION_BYTES[s.checkpointing] * b / 2
+    optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
+    if s.zero_stage == 3:
+        weights = model.parameters * b / w
+        gathered = min(model.parameters, LIVE[s.accelerator]) * b + 3 * model.largest * b
+        trained = model.trainable * b / w
+    else:
+        weights, gathered, trained = model.parameters * b, 0.0, model.trainable * b
+    host = HOST_PER_RANK if s.accelerator != "cpu" else 0.0
+    offloaded = (weights if s.offload_param else 0.0) + (optimizer if s.offload_optimizer else 0.0)
+    device = INTERPRETER[s.accelerator] + weights + gathered + trained + optimizer + activations - offloaded
+    return {"device": device, "host": host + offloaded}
+
+
+def check_fits(model: Shapes, setting: Setting, *, device_bytes: float | None, host_bytes: float, ranks: int) -> None:
+    """Refuse the run where a rank's estimate exceeds its device's memory (`device_bytes`: a GPU's, None on CPU
+    ranks) or the node's ranks exceed `host_bytes`, naming the ZeRO settings that would fit."""
+    if not _fits(per_rank(model, setting), setting, device_bytes, host_bytes, ranks):
+        need = per_rank(model, setting)
+        where = "of GPU memory" if device_bytes is not None else "of host memory"
+        have = device_bytes if device_bytes is not None else host_bytes / ranks
+        options = []
+        for name, change in (
+            ("deepspeed=zero3", {"zero_stage": 3, "offload_param": False, "offload_optimizer": False}),
+            ("deepspeed=zero3_offload", {"zero_stage": 3, "offload_param": True, "offload_optimizer": True}),
+        ):
+            other = replace(setting, **change)
+            if other != setting and _fits(per_rank(model, other), other, device_bytes, host_bytes, ranks):
+                options.append(f"{name} (about {per_rank(model, other)['device'] / 1e9:.1f} GB a rank)")
+        hint = " or ".join(options) if options else "more ranks (launcher.num_nodes) or a smaller micro-batch"
+        raise ValueError(
+            f"deepspeed.stage: this run needs about {need['device'] / 1e9:.1f} GB {where} a rank under ZeRO-"
+            f"{setting.zero_stage} (docs/scaling.md), {have / 1e9:.1f} GB are there; expected {hint}"
+        )
+
+
+def _fits(need: dict[str, float], setting: Setting, device_bytes: float | None, host_bytes: float, ranks: int) -> bool:
+    if device_bytes is None:  # CPU ranks: one memory for the node's ranks
+        return need["device"] * ranks <= host_bytes
+    return need["device"] <= device_bytes and need["host"] * ranks <= host_bytes
+
+
+def gpu_memory() -> float | None:
+    """The smallest free memory of this node's GPUs (nvidia-smi: no CUDA context in the asking process); None where
+    it cannot be read."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    )
+    values = [float(line) * 2**20 for line in done.stdout.split() if line.strip()] if done.returncode == 0 else []
+    return min(values) if values else None
+
+
+def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_config: dict) -> dict[str, float]:
+    """The estimate for a planned run (the micro-batch's tokens from the dataset's first rows), refused where it
+    cannot fit this node; GB a rank, as the plan records it. A quantized base is not estimated (its 4-bit weights
+    are not in this model)."""
+    import psutil
+
+    from pipeline.data.dataset import SplitRows
+    from pipeline.training.ds_config import module_dtype
+
+    rows = SplitRows(paths.dataset / "train")
+    tokens = micro * max(len(rows[i]["input_ids"]) for i in range(min(len(rows), 1000)))
+    identity = state["identity"]
+    model = shapes(
+        base_dir=paths.base,
+        vocab_rows=identity["vocab_rows"],
+        targets=identity["target_modules"],
+        modules_to_save=identity["modules_to_save"],
+        r=identity["lora_r"],
+    )
+    setting = Setting(
+        zero_stage=deepspeed.stage,
+        offload_param=deepspeed.offload_param,
+        offload_optimizer=deepspeed.offload_optimizer,
+        world_size=launch.world_size,
+        dtype_bytes=module_dtype(ds_config).itemsize,
+        tokens=tokens,
+        checkpointing=launch.gradient_checkpointing,
+        accelerator=launch.accelerator,
+    )
+    if lora.quantization == "none":
+        device = gpu_memory() if launch.accelerator == "cuda" else None
+        check_fits(
+            model,
+            setting,
+            device_bytes=device,
+            host_bytes=psutil.virtual_memory().available,
+            ranks=launch.ranks_per_node,
+        )
+    return {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}

@@ -1,0 +1,43 @@
+"""The plan-time memory estimate: docs/scaling.md's model from a model's shapes, against what was measured, and the
+refusal of a run that cannot fit, naming what would."""
+
+from __future__ import annotations
+
+import pytest
+from safetensors.torch import load_file
+
+from pipeline.training.memory_estimate import Setting, Shapes, check_fits, per_rank, shapes
+
+LLAMA_3B = Shapes(parameters=3_212_749_824, largest=128_256 * 3072, trainable=24_313_856, hidden=3072, layers=28)
+LLAMA_70B = Shapes(parameters=70_553_706_496, largest=128_256 * 8192, trainable=207_093_760, hidden=8192, layers=80)
+GPU = {"dtype_bytes": 2, "accelerator": "cuda", "offload_param": False, "offload_optimizer": False}
+
+
+def test_the_shapes_come_from_the_files(tiny_base_dir):
+    files = load_file(tiny_base_dir / "model.safetensors")
+    got = shapes(base_dir=tiny_base_dir, vocab_rows=49_216, targets=["q_proj", "v_proj"], modules_to_save=[], r=4)
+    hidden = files["model.embed_tokens.weight"].shape[1]
+    assert got.parameters == sum(t.numel() for t in files.values()) + (49_216 - 49_152) * hidden
+    q, v = files["model.layers.0.self_attn.q_proj.weight"].shape, files["model.layers.0.self_attn.v_proj.weight"].shape
+    assert got.trainable == 2 * 4 * (sum(q) + sum(v)) and got.layers == 2 and got.hidden == hidden
+
+
+def test_the_3b_scale_check_rank_is_estimated_within_5_percent_of_its_measured_peak():
+    """make scale-check: 2 CPU ranks, ZeRO-3, bf16, 64-token micro-batches: 6.50 GB measured per rank."""
+    setting = Setting(zero_stage=3, offload_param=False, offload_optimizer=False, world_size=2, dtype_bytes=2,
+                      tokens=64, checkpointing=False, accelerator="cpu")  # fmt: skip
+    assert per_rank(LLAMA_3B, setting)["device"] == pytest.approx(6.50e9, rel=0.05)
+
+
+def test_a_70b_under_zero2_on_80gb_gpus_is_refused_naming_zero3():
+    zero2 = Setting(zero_stage=2, world_size=8, tokens=4096, checkpointing=True, **GPU)
+    refusal = (
+        r"needs about 14\d\.\d GB of GPU memory a rank under ZeRO-2 .* expected deepspeed=zero3 \(about \d\d\.\d GB"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        check_fits(LLAMA_70B, zero2, device_bytes=80e9, host_bytes=1e12, ranks=8)
+    zero3 = Setting(zero_stage=3, world_size=8, tokens=4096, checkpointing=True, **GPU)
+    check_fits(LLAMA_70B, zero3, device_bytes=80e9, host_bytes=1e12, ranks=8)
+    on_two = Setting(zero_stage=3, world_size=2, tokens=4096, checkpointing=True, **GPU)
+    with pytest.raises(ValueError, match=r"expected deepspeed=zero3_offload"):  # parameters to the 1 TB of host
+        check_fits(LLAMA_70B, on_two, device_bytes=80e9, host_bytes=1e12, ranks=2)
