@@ -1,7 +1,9 @@
 """GPU training throughput of our train stage (runs only where CUDA is present): a randomly initialised model of
 Llama-3-8B's shape, LoRA r=16 on every linear layer, bf16, packed 4096-token blocks of the embedded corpus, one GPU,
-ZeRO-2, a few dozen steps through `python -m stages.train`. Reports tokens/s per GPU, MFU with the LoRA convention
-of training.figures.mfu (4N per token + attention) and with 6N for comparison, and peak GPU memory. Goal on one H100: at
+ZeRO-2, a few dozen steps through `python -m stages.train`. Reports tokens/s per GPU without the first (warm-up)
+step, MFU with the LoRA convention of training.figures.flops_per_token (4 x the parameters that multiply, the input
+embedding's lookup left out, + causal attention) over the card's peak (its name: PCIe and NVL H100s are lower), and
+with 6N for comparison, and peak GPU memory. Goal on one H100: at
 least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
 
     python -m bench.gpu_train [--steps 30] [--checkpointing]
@@ -24,7 +26,7 @@ from bench.scale_check import SMOKE_SHAPE, write_random_llama
 from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import with_venv_path
-from pipeline.training.figures import PEAK_TFLOPS
+from pipeline.training.figures import peak_tflops
 
 SHAPE = {  # Llama-3-8B
     "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -70,8 +72,8 @@ def measure(
         ], check=True, env=env)  # fmt: skip
         metrics = read_json(work / "train.json")
     name = torch.cuda.get_device_name(0)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-    tokens_per_s = metrics["tokens_per_s"]
+    peak = peak_tflops(name)
+    tokens_per_s = metrics["steady_tokens_per_s"] or metrics["tokens_per_s"]  # without the warm-up step
     return {
         "device": name,
         "parameters": n_params,

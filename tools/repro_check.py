@@ -31,8 +31,9 @@ MEASURED = {
     "compared",
 }
 MEASUREMENT_KEYS = (
-    "tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu", "peak_memory_mb_per_rank",
-    "peak_gpu_memory_mb", "peak_gpu_memory_mb_per_rank", "load_before_mb_per_rank", "load_peak_mb_per_rank",
+    "tokens_per_s", "steady_tokens_per_s", "train_seconds", "wall_seconds", "peak_memory_mb", "mfu",
+    "peak_memory_mb_per_rank", "peak_gpu_memory_mb", "peak_gpu_memory_mb_per_rank", "load_before_mb_per_rank",
+    "load_peak_mb_per_rank",
     "tokens_per_second_per_core", "tokenize_seconds", "workers", "parts_reused",
 )  # fmt: skip
 

@@ -59,20 +59,38 @@ def summary(history, steps: int, start: int, tokens: float, seconds: float, wall
     return figures
 
 
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
+# Dense bf16 TFLOPS by device name, the first pattern found in it wins: the PCIe and NVL H100s run lower clocks
+# (and the NVL fewer SMs) than the SXM card whose 989 a bare "H100" gets; "A100" and "H200" before "A10" and "H20".
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("H20", 148.0),
+    ("A100", 312.0), ("L40S", 362.0), ("A10", 125.0),
+)  # fmt: skip
+
+
+def peak_tflops(name: str) -> float | None:
+    """The dense bf16 peak of a device named `name` (torch.cuda.get_device_name), None if unknown."""
+    return next((peak for pattern, peak in PEAK_TFLOPS if pattern in name), None)
+
+
+def flops_per_token(*, n_params: int, model_config, seq_len: int) -> float:
+    """Training FLOPs per token with LoRA: 4 x the parameters that multiply (forward, and backward through frozen
+    weights; the input embedding is a lookup, so an untied one does not count, a tied head does) plus causal
+    attention, 6 x layers x hidden x sequence (QK^T and AV over half the positions, forward and backward)."""
+    vocab, hidden = model_config.vocab_size, model_config.hidden_size
+    lookup = 0 if getattr(model_config, "tie_word_embeddings", False) else vocab * hidden
+    return 4 * (n_params - lookup) + 6 * model_config.num_hidden_layers * hidden * seq_len
 
 
 def mfu(*, tokens_per_s: float, n_params: int, model_config, seq_len: int, world: int, device) -> float | None:
-    """Model FLOPs utilisation on a GPU with the LoRA convention: 4N per token (forward, and backward through
-    frozen weights) plus attention, 12 x layers x hidden x sequence; None on the CPU or an unknown GPU."""
+    """Model FLOPs utilisation on a GPU (`flops_per_token` over the device's peak); None on the CPU or an unknown
+    GPU."""
     if not str(device).startswith("cuda"):
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    peak = peak_tflops(torch.cuda.get_device_name(device))
     if peak is None:
         return None
-    flops_per_token = 4 * n_params + 12 * model_config.num_hidden_layers * model_config.hidden_size * seq_len
-    return round(tokens_per_s * flops_per_token / (peak * 1e12 * world), 4)
+    per_token = flops_per_token(n_params=n_params, model_config=model_config, seq_len=seq_len)
+    return round(tokens_per_s * per_token / (peak * 1e12 * world), 4)
 
 
 def write_curve(path: Path, history: dict) -> None:

@@ -111,7 +111,7 @@ def train(
         start, history = saved["step"], History(**saved["history"])
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
         wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
-    begin = time.perf_counter()
+    begin, first = time.perf_counter(), None  # first: (tokens, seconds) after this segment's first step (warm-up)
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     for step in range(start, schedule.max_steps):
         tick = time.perf_counter()
@@ -129,6 +129,7 @@ def train(
         loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
         train_seconds += time.perf_counter() - tick
         tokens += tokens_total
+        first = first or (tokens, train_seconds)
         last_loss = loss_total / (accumulation * world)
         record = {"step": step + 1, "loss": last_loss, "lr": lr}
         history.train.append(record)
@@ -156,6 +157,8 @@ def train(
             }
             if done:
                 summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
+                steady = train_seconds - first[1]  # without the first step: CUDA and cuBLAS start in it
+                summary["steady_tokens_per_s"] = (tokens - first[0]) / steady if step > start and steady > 0 else None
                 state["metrics"] = metrics = reporting.describe(summary)
             folder.save(
                 engine=engine,

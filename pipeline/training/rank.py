@@ -106,7 +106,7 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
 
     def describe(summary: dict) -> dict:
         mfu = figures.mfu(
-            tokens_per_s=summary["tokens_per_s"],
+            tokens_per_s=summary["steady_tokens_per_s"] or summary["tokens_per_s"],
             n_params=total,
             model_config=engine.module.config,
             seq_len=block,
