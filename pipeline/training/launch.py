@@ -159,8 +159,11 @@ def _port_free(port: int) -> bool:
 
 def build_ops() -> None:
     """JIT-build, once per environment, the DeepSpeed ops the CPU ranks use (the all-reduce, CPU Adam for offload)
-    and our own CPU kernels and allocator (pipeline/kernels/csrc/), so that no stage pays for it or can be killed in
-    the middle of it (`make setup` runs this)."""
+    and our own CPU kernels and allocator (pipeline/kernels/csrc/), and where there is a GPU the CUDA build of CPU
+    Adam that offload uses there, so that no stage pays for it or can be killed in the middle of it (`make setup`
+    runs this)."""
+    import torch
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     clear_stale_build_locks()
@@ -172,6 +175,9 @@ def build_ops() -> None:
 
     cpp.load()
     cpp.build(allocator.SOURCE)
+    if torch.cuda.is_available():  # the accelerator is chosen once per process: the CUDA build in a process of its own
+        code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)"
+        subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cuda"}, check=True)
 
 
 if __name__ == "__main__":
