@@ -252,8 +252,7 @@ class SplitRows:
     data this way: importing datasets would cost each of them memory and time for two columns they only index."""
 
     def __init__(self, folder: Path):
-        files = json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]
-        table = pa.concat_tables(_mapped_stream(folder / f["filename"]) for f in files)
+        table = pa.concat_tables(_mapped_stream(path) for path in split_files(folder))
         self.columns = {name: table.column(name) for name in table.column_names}
         self.rows = table.num_rows
 
@@ -262,6 +261,12 @@ class SplitRows:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         return {name: np.array(column[int(index)].values, dtype=np.int64) for name, column in self.columns.items()}
+
+
+def split_files(folder: Path) -> list[Path]:
+    """The Arrow stream files of one split `save_splits` (or save_to_disk) wrote, in order."""
+    files = json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]
+    return [folder / f["filename"] for f in files]
 
 
 def _mapped_stream(path: Path) -> pa.Table:

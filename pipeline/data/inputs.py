@@ -140,11 +140,9 @@ def file_items(path: Path, data_format: str, *, deferred: bool = False) -> Itera
                 yield line.strip()
         return
     for number, line in lines(path):  # JSONL (any suffix but .parquet holds JSONL rows in the row formats)
-        if line.strip() and deferred:
-            yield Line(str(path), number, line)
-        elif line.strip():
-            row = check_row(path, number, line, () if data_format == "text" else required)
-            yield _document(path, number, row) if data_format == "text" else row
+        if line.strip():
+            row = Line(str(path), number, line)
+            yield row if deferred else parsed(row, data_format)
 
 
 def _document(path: Path | str, where: int | str, row: dict) -> str:

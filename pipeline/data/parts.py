@@ -54,8 +54,10 @@ def chunks(items: Iterable, *, chunk_chars: int) -> Iterator[list]:
 
 
 def _chars(item) -> int:
-    if isinstance(item, str | Line):
-        return len(item if isinstance(item, str) else item.text)
+    if isinstance(item, str):
+        return len(item)
+    if isinstance(item, Line):
+        return len(item.text)
     messages = item.get("messages") or []
     return sum(len(v) for v in item.values() if isinstance(v, str)) + sum(len(m["content"]) for m in messages)
 

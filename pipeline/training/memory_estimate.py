@@ -5,6 +5,7 @@ eight ranks have each read the model."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
@@ -53,7 +54,7 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
     tensors = {name: list(t.shape) for name, t in model_tensors(base_dir).items()}
     grown = {name: [vocab_rows, *shape[1:]] if shape[0] == config["vocab_size"] and len(shape) == 2 else shape
              for name, shape in tensors.items()}  # fmt: skip
-    sizes = {name: _numel(shape) for name, shape in grown.items()}
+    sizes = {name: math.prod(shape) for name, shape in grown.items()}
     trainable = 0
     for name, shape in grown.items():
         module = name.removesuffix(".weight")
@@ -69,13 +70,6 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
         hidden=config["hidden_size"],
         layers=config["num_hidden_layers"],
     )
-
-
-def _numel(shape: list[int]) -> int:
-    total = 1
-    for n in shape:
-        total *= n
-    return total
 
 
 def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
@@ -99,26 +93,27 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
 def check_fits(model: Shapes, setting: Setting, *, device_bytes: float | None, host_bytes: float, ranks: int) -> None:
     """Refuse the run where a rank's estimate exceeds its device's memory (`device_bytes`: a GPU's, None on CPU
     ranks) or the node's ranks exceed `host_bytes`, naming the ZeRO settings that would fit."""
-    if not _fits(per_rank(model, setting), setting, device_bytes, host_bytes, ranks):
-        need = per_rank(model, setting)
-        where = "of GPU memory" if device_bytes is not None else "of host memory"
-        have = device_bytes if device_bytes is not None else host_bytes / ranks
-        options = []
-        for name, change in (
-            ("deepspeed=zero3", {"zero_stage": 3, "offload_param": False, "offload_optimizer": False}),
-            ("deepspeed=zero3_offload", {"zero_stage": 3, "offload_param": True, "offload_optimizer": True}),
-        ):
-            other = replace(setting, **change)
-            if other != setting and _fits(per_rank(model, other), other, device_bytes, host_bytes, ranks):
-                options.append(f"{name} (about {per_rank(model, other)['device'] / 1e9:.1f} GB a rank)")
-        hint = " or ".join(options) if options else "more ranks (launcher.num_nodes) or a smaller micro-batch"
-        raise ValueError(
-            f"deepspeed.stage: this run needs about {need['device'] / 1e9:.1f} GB {where} a rank under ZeRO-"
-            f"{setting.zero_stage} (docs/scaling.md), {have / 1e9:.1f} GB are there; expected {hint}"
-        )
+    need = per_rank(model, setting)
+    if _fits(need, device_bytes, host_bytes, ranks):
+        return
+    options = []
+    for name, change in (
+        ("deepspeed=zero3", {"zero_stage": 3, "offload_param": False, "offload_optimizer": False}),
+        ("deepspeed=zero3_offload", {"zero_stage": 3, "offload_param": True, "offload_optimizer": True}),
+    ):
+        other = replace(setting, **change)
+        if other != setting and _fits(other_need := per_rank(model, other), device_bytes, host_bytes, ranks):
+            options.append(f"{name} (about {other_need['device'] / 1e9:.1f} GB a rank)")
+    hint = " or ".join(options) if options else "more ranks (launcher.num_nodes) or a smaller micro-batch"
+    where = "of GPU memory" if device_bytes is not None else "of host memory"
+    have = device_bytes if device_bytes is not None else host_bytes / ranks
+    raise ValueError(
+        f"deepspeed.stage: this run needs about {need['device'] / 1e9:.1f} GB {where} a rank under ZeRO-"
+        f"{setting.zero_stage} (docs/scaling.md), {have / 1e9:.1f} GB are there; expected {hint}"
+    )
 
 
-def _fits(need: dict[str, float], setting: Setting, device_bytes: float | None, host_bytes: float, ranks: int) -> bool:
+def _fits(need: dict[str, float], device_bytes: float | None, host_bytes: float, ranks: int) -> bool:
     if device_bytes is None:  # CPU ranks: one memory for the node's ranks
         return need["device"] * ranks <= host_bytes
     return need["device"] <= device_bytes and need["host"] * ranks <= host_bytes
@@ -137,16 +132,19 @@ def gpu_memory() -> float | None:
 
 
 def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_config: dict) -> dict[str, float]:
-    """The estimate for a planned run (the micro-batch's tokens from the dataset's first rows), refused where it
-    cannot fit this node; GB a rank, as the plan records it. A quantized base is not estimated (its 4-bit weights
-    are not in this model)."""
+    """The estimate for a planned run (the micro-batch's tokens from the longest row of the dataset's first record
+    batch: nothing else of it is read), refused where it cannot fit this node; GB a rank, as the plan records it. A
+    quantized base is not estimated (its 4-bit weights are not in this model)."""
     import psutil
+    import pyarrow as pa
+    import pyarrow.compute as pc
 
-    from pipeline.data.dataset import SplitRows
+    from pipeline.data.dataset import split_files
     from pipeline.training.ds_config import module_dtype
 
-    rows = SplitRows(paths.dataset / "train")
-    tokens = micro * max(len(rows[i]["input_ids"]) for i in range(min(len(rows), 1000)))
+    with pa.memory_map(str(split_files(paths.dataset / "train")[0])) as source:
+        first = pa.ipc.open_stream(source).read_next_batch()
+    tokens = micro * pc.max(pc.list_value_length(first.column("input_ids"))).as_py()
     identity = state["identity"]
     model = shapes(
         base_dir=paths.base,
