@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser run test test-unit repro-check ui report lint format params bench scale-check lock dag clean
+.PHONY: help setup browser run test test-unit repro-check ui report lint format params bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -73,6 +73,12 @@ bench: run ## benchmarks against the tools users would otherwise use (each --smo
 
 scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk; its smoke mode runs in make test)
 	python -m bench.scale_check
+
+gpu-check: run ## on a CUDA machine: the chain on a random 1B (ZeRO-2/3, consolidate, merge proof, evaluate), then bench.gpu_train (smoke on CPU in make test)
+	python -m bench.gpu_check
+
+gpu-wheels: setup ## the pinned wheels a bare GPU machine lacks, into .whl/ (docs/gpu.md: carry them there)
+	python -m tools.gpu_wheels
 
 lock: setup ## re-pin constraints.txt from the current .venv
 	{ echo '# Full lock of the environment (pip freeze); regenerate with `make lock`.'; \

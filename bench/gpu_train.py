@@ -3,8 +3,9 @@ Llama-3-8B's shape, LoRA r=16 on every linear layer, bf16, packed 4096-token blo
 ZeRO-2, a few dozen steps through `python -m stages.train`. Reports tokens/s per GPU without the first (warm-up)
 step, MFU with the LoRA convention of training.figures.flops_per_token (4 x the parameters that multiply, the input
 embedding's lookup left out, + causal attention) over the card's peak (its name: PCIe and NVL H100s are lower), and
-with 6N for comparison, and peak GPU memory. Goal on one H100: at
-least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
+with 6N for comparison, and peak GPU memory; beside it, in the same run, the loop a user writes with transformers and
+PEFT alone on the same model and settings (`eager_rate`), as a ratio. Goal on one H100: at least 12,500 tokens/s
+(NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
 
     python -m bench.gpu_train [--steps 30] [--no-checkpointing]
     python -m bench.gpu_train --smoke [--results DIR]   # a tiny random LLaMA, 3 steps of 64 tokens (make test, gpu)
@@ -13,6 +14,7 @@ least 12,500 tokens/s (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -71,6 +73,7 @@ def measure(
             "--run-id-file", str(work / "run.json"),
         ], check=True, env=env)  # fmt: skip
         metrics = read_json(work / "train.json")
+        eager = eager_rate(base=work / "base", block=block, steps=min(steps, 10), checkpointing=checkpointing)
     name = torch.cuda.get_device_name(0)
     peak = peak_tflops(name)
     tokens_per_s = metrics["steady_tokens_per_s"] or metrics["tokens_per_s"]  # without the warm-up step
@@ -84,9 +87,52 @@ def measure(
         "mfu_4n_attention": metrics["mfu"],
         "mfu_6n": round(tokens_per_s * 6 * n_params / (peak * 1e12), 4) if peak else None,
         "peak_gpu_memory_mb": metrics.get("peak_gpu_memory_mb"),
+        "eager_tokens_per_s": round(eager["tokens_per_s"], 1),
+        "eager_peak_gpu_memory_mb": eager["peak_gpu_memory_mb"],
+        "speedup_vs_eager": round(tokens_per_s / eager["tokens_per_s"], 3),
         "target_tokens_per_s": 12_500,
         "target_mfu": 0.45,
     }
+
+
+def eager_rate(*, base: Path, block: int, steps: int, checkpointing: bool) -> dict:
+    """The loop a user writes with transformers and PEFT alone, in its own process: the same LoRA (r=16 on every
+    linear layer, PEFT's fp32 adapter over the bf16 base), SDPA, non-reentrant checkpointing as set, torch's fused
+    AdamW, one sequence of `block` tokens a step; tokens/s without the first step, and its peak GPU memory."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_train", "--eager-worker", str(base), "--block", str(block), "--steps",
+         str(steps), *([] if checkpointing else ["--no-checkpointing"])],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def eager_worker(base: Path, block: int, steps: int, checkpointing: bool) -> None:
+    import time
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, device_map="cuda")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"))
+    model.train()  # from_pretrained leaves eval mode, where transformers skips the checkpointing
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    seconds = []
+    for _ in range(steps):
+        ids = torch.randint(0, model.config.vocab_size, (1, block), device="cuda", generator=generator)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps({"tokens_per_s": block * (steps - 1) / sum(seconds[1:]), "peak_gpu_memory_mb": round(peak)}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,8 +143,13 @@ def main(argv: list[str] | None = None) -> None:
         help="keep activations instead of recomputing them (the GPU default recomputes them: measured as users run)",
     )  # fmt: skip
     parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
+    parser.add_argument("--eager-worker", type=Path, help=argparse.SUPPRESS)  # eager_rate's process: a base folder
+    parser.add_argument("--block", type=int, default=BLOCK, help=argparse.SUPPRESS)
     smoke_arguments(parser)
     args = parser.parse_args(argv)
+    if args.eager_worker:
+        eager_worker(args.eager_worker, args.block, args.steps, args.checkpointing)
+        return
     if not torch.cuda.is_available():
         print("bench.gpu_train: no CUDA device here; nothing measured")
         return

@@ -80,3 +80,22 @@ def test_smoke_runs_both_sides(bench, project, tmp_path):
 def test_a_smoke_run_never_overwrites_the_recorded_figures():
     with pytest.raises(SystemExit, match="recorded full-size figures"):
         results_folder(argparse.Namespace(smoke=True, results=RESULTS, project=None))
+
+
+def test_the_gpu_check_runs_its_chain_on_cpu(project, tmp_path):
+    """make gpu-check's smoke mode: the same chain on CPU at a tiny size (the GPU machine runs it with CUDA)."""
+    command = [sys.executable, "-m", "bench.gpu_check", "--smoke", "--results", str(tmp_path)]
+    command += ["--project", str(project)]
+    done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = figures["steps"]
+    assert all(step["ok"] or "skipped" in step for step in steps.values()), steps
+    assert {"train_zero2", "train_zero3", "merge", "evaluate"} <= {name for name, s in steps.items() if s["ok"]}
+    for zero in (2, 3):  # the consolidated adapter is the live engine's tensors, exactly
+        assert steps[f"consolidate_zero{zero}"]["max_abs_diff_vs_live"] == 0.0
+        assert steps[f"train_zero{zero}"]["checkpointed_layers"] > 0
+    assert steps["merge"]["max_abs_logit_diff"] <= steps["merge"]["limit_abs"]
+    assert figures["zero2_vs_zero3_max_abs_diff"] < 0.01
+    eval_in_domain = steps["evaluate"]["eval"]["in_domain"]
+    assert eval_in_domain["merged"]["bits_per_byte"] == pytest.approx(eval_in_domain["adapter"]["bits_per_byte"])
