@@ -151,6 +151,7 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(gt=0.0)
     precision: Literal["auto", "bf16", "fp16", "fp32"]
     gradient_checkpointing: bool | Literal["auto"]
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
     resize_embeddings: bool
     eval_every: int = PositiveInt

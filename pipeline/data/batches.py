@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pipeline.data.dataset import IGNORE_INDEX
@@ -26,20 +28,30 @@ def collate(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def pack(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+def pack(rows: list, pad_id: int, *, varlen: bool = False) -> dict:
     """The micro-batch as the model trains on it: rows of one length (packed text blocks) as they are; rows of
     several lengths (SFT) end to end in one sequence without padding, positions restarting at each row (from
     which transformers builds a block-diagonal causal mask: no row sees another) and each row's next-token
     targets (its last position predicts nothing). The same loss over the same targets as `collate`'s padded
     batch, without computing the pads (tests/unit/kernels/test_fused_loss.py). Needs the model's `use_cache` off (as
-    pipeline.model.lora loads it): transformers detects packed rows only without a cache."""
+    pipeline.model.lora loads it): transformers detects packed rows only without a cache.
+
+    With `varlen` (flash-attention), also each row's bounds as flash-attn's variable-length kernel takes them
+    (`cu_seq_lens_q/k`: where each row starts, then the total; `max_length_q/k`): transformers then builds no mask
+    and no row sees another, without reading the positions back from the device in every layer."""
     if len({len(r["input_ids"]) for r in rows}) == 1:
         return collate(rows, pad_id)
     ids = torch.cat([torch.as_tensor(r["input_ids"], dtype=torch.long) for r in rows])[None]
     positions = torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None]
     targets = torch.cat([shifted(torch.as_tensor(r["labels"], dtype=torch.long)[None])[0] for r in rows])[None]
     # labels too: transformers' forward computes a loss only when given labels, and then takes shift_labels
-    return {"input_ids": ids, "position_ids": positions, "labels": targets, "shift_labels": targets}
+    packed = {"input_ids": ids, "position_ids": positions, "labels": targets, "shift_labels": targets}
+    if varlen:
+        lengths = [len(r["input_ids"]) for r in rows]
+        starts = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        packed |= {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts}
+        packed |= {"max_length_q": max(lengths), "max_length_k": max(lengths)}
+    return packed
 
 
 def target_count(batch: dict[str, torch.Tensor]) -> int:

@@ -117,10 +117,12 @@ def load_lora_model(
     zero3_config: dict | None = None,
     quantization: Quantization | None = None,
     device: str = "cpu",
+    attention: str = "sdpa",
 ):
     """The base in the dtype it trains in (whole on `device`, or with `zero3_config` partitioned across the ranks as
     it is built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings
-    grown to `vocab_rows`, wrapped in a fresh LoRA adapter (seeded init, in `dtype` too)."""
+    grown to `vocab_rows`, its attention transformers' `attention` implementation, wrapped in a fresh LoRA adapter
+    (seeded init, in `dtype` too)."""
     from peft import get_peft_model
 
     from pipeline.model import base_weights
@@ -137,6 +139,8 @@ def load_lora_model(
         model = base_weights.load_whole(**common, seed=seed, device=device)
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
+    if model.config._attn_implementation != attention:
+        model.set_attn_implementation(attention)
     outline = of_model(model)
     targets = resolve_targets(outline, lora.target_modules)
     check_targets(outline, targets, lora.modules_to_save)

@@ -52,10 +52,11 @@ class Launch:
     gradient_accumulation_steps: int
     global_batch_size: int  # micro x accumulation x world size
     gradient_checkpointing: bool
+    attention: str  # transformers' attn_implementation
 
 
 def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
-    """Accelerator, ranks, precision, accumulation and activation checkpointing for this machine."""
+    """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine."""
     accelerator = accelerator_name(launcher.accelerator)
     ranks = ranks_on_this_node(launcher.ranks_per_node, accelerator)
     world = ranks * launcher.num_nodes
@@ -66,16 +67,45 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
         micro=train.micro_batch_size,
         world_size=world,
     )
+    precision = training_precision(train.precision, accelerator)
     return Launch(
         accelerator=accelerator,
         ranks_per_node=ranks,
         num_nodes=launcher.num_nodes,
         world_size=world,
-        precision=training_precision(train.precision, accelerator),
+        precision=precision,
         gradient_accumulation_steps=accumulation,
         global_batch_size=train.micro_batch_size * accumulation * world,
         gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+        attention=attention_implementation(
+            train.attention, accelerator=accelerator, precision=precision, flash_installed=flash_attn_installed()
+        ),
     )
+
+
+FLASH = "flash_attention_2"
+
+
+def flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_implementation(requested: str, *, accelerator: str, precision: str, flash_installed: bool) -> str:
+    """`train.attention`: auto is flash-attention 2 where it can run (CUDA, bf16 or fp16, the flash-attn package
+    installed), else PyTorch's SDPA; one named must be able to run here."""
+    usable = accelerator == "cuda" and precision in ("bf16", "fp16") and flash_installed
+    if requested == "auto":
+        return FLASH if usable else "sdpa"
+    if requested == FLASH and not usable:
+        missing = (
+            "a CUDA accelerator" if accelerator != "cuda"
+            else f"bf16 or fp16 (train.precision is {precision})" if precision not in ("bf16", "fp16")
+            else "the flash-attn package (pip install flash-attn)"
+        )  # fmt: skip
+        raise ValueError(f"train.attention: {FLASH} needs {missing}; expected auto, sdpa or eager here")
+    return requested
 
 
 def ranks_on_this_node(requested: int | str, accelerator: str) -> int:

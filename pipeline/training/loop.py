@@ -26,8 +26,8 @@ class History:
     validation: list[dict] = field(default_factory=list)
 
 
-def _to(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def _all_reduce_sum(values: list[float], device) -> list[float]:
@@ -38,7 +38,9 @@ def _all_reduce_sum(values: list[float], device) -> list[float]:
     return tensor.tolist()
 
 
-def validate(engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int) -> tuple[float, int]:
+def validate(
+    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, varlen: bool = False
+) -> tuple[float, int]:
     """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
     n = len(rows)
     per_rank = math.ceil(n / world_size)
@@ -48,7 +50,7 @@ def validate(engine, rows, *, rank: int, world_size: int, micro: int, pad_id: in
         for start in range(0, per_rank, micro):
             indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
             real = [i for i in indices if i < n]
-            batch = _to(pack([rows[i] for i in (real or [0])], pad_id), engine.device)
+            batch = _to(pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen), engine.device)
             loss = engine(**batch).loss.float()
             count = target_count(batch) if real else 0
             loss_sum += float(loss) * count
@@ -94,6 +96,7 @@ def train(
     directory: Path,
     tokenizer_dir: Path,
     pad_id: int,
+    varlen: bool,
     run_state: dict,
     saved: dict | None,
     reporting: Reporting,
@@ -120,7 +123,7 @@ def train(
         for index in range(accumulation):
             indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
             rows = [train_rows[i] for i in indices]
-            batch = _to(pack(rows, pad_id), engine.device)
+            batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
             loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
@@ -136,7 +139,9 @@ def train(
         done = step + 1 == schedule.max_steps
         if (step + 1) % schedule.eval_every == 0 or done:
             subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
-            val_loss, _ = validate(engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id)
+            val_loss, _ = validate(
+                engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id, varlen=varlen
+            )
             entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
             history.validation.append(entry)
             record = {**record, **entry}

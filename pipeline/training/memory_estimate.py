@@ -31,6 +31,7 @@ class Shapes:
     trainable: int
     hidden: int
     layers: int
+    heads: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,8 @@ class Setting:
     tokens: int
     checkpointing: bool
     accelerator: str
+    sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
+    eager_attention: bool = False
 
 
 def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
@@ -69,6 +72,7 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
         trainable=trainable,
         hidden=config["hidden_size"],
         layers=config["num_hidden_layers"],
+        heads=config["num_attention_heads"],
     )
 
 
@@ -77,6 +81,10 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     the same memory, counted under "device"): docs/scaling.md's terms."""
     s, b, w = setting, setting.dtype_bytes, setting.world_size
     activations = s.tokens * model.hidden * model.layers * ACTIVATION_BYTES[s.checkpointing] * b / 2
+    if s.checkpointing:  # the layer being recomputed holds everything a layer keeps
+        activations += s.tokens * model.hidden * ACTIVATION_BYTES[False] * b / 2
+    if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept
+        activations += s.tokens * s.sequence * model.heads * (4 + b) * (1 if s.checkpointing else model.layers)
     optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
     if s.zero_stage == 3:
         weights = model.parameters * b / w
@@ -144,7 +152,7 @@ def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_co
 
     with pa.memory_map(str(split_files(paths.dataset / "train")[0])) as source:
         first = pa.ipc.open_stream(source).read_next_batch()
-    tokens = micro * pc.max(pc.list_value_length(first.column("input_ids"))).as_py()
+    sequence = pc.max(pc.list_value_length(first.column("input_ids"))).as_py()
     identity = state["identity"]
     model = shapes(
         base_dir=paths.base,
@@ -159,9 +167,11 @@ def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_co
         offload_optimizer=deepspeed.offload_optimizer,
         world_size=launch.world_size,
         dtype_bytes=module_dtype(ds_config).itemsize,
-        tokens=tokens,
+        tokens=micro * sequence,
         checkpointing=launch.gradient_checkpointing,
         accelerator=launch.accelerator,
+        sequence=sequence,
+        eager_attention=launch.attention == "eager",
     )
     if lora.quantization == "none":
         device = gpu_memory() if launch.accelerator == "cuda" else None

@@ -27,7 +27,7 @@ FILE = "plan.json"
 # and accumulation steps (a resume under another world size re-splits it), and how fast the same arithmetic runs.
 UNTRACKED_TRAIN_KEYS = (
     "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
-    "gradient_accumulation_steps", "gradient_checkpointing", "kernels",
+    "gradient_accumulation_steps", "gradient_checkpointing", "kernels", "attention",
 )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import resource
 from pathlib import Path
 
 from pipeline.training import plan as plans
+from pipeline.training.ds_config import FLASH
 from pipeline.training.plan import Plan
 
 
@@ -44,6 +45,7 @@ def build_engine(plan: Plan):
         zero3_config=plan.ds_config if plan.zero_stage == 3 else None,
         quantization=quantization,
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
+        attention=launch.attention,
     )
     installed = kernels.apply(model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels)
     engine, *_ = deepspeed.initialize(
@@ -212,6 +214,7 @@ def run(plan: Plan) -> None:
             directory=plan.paths.checkpoints,
             tokenizer_dir=plan.paths.tokenizer,
             pad_id=plan.pad_token_id,
+            varlen=plan.launch.attention == FLASH,
             run_state=plan.run_state,
             saved=saved,
             reporting=report,

@@ -105,6 +105,10 @@ def _outputs(repo: Path) -> dict[str, str]:
             "train.global_batch_size: 3 is not a multiple of train.micro_batch_size (1) x world size (2)",
         ),  # on the 2 CPU ranks: found by check, not by train after DVC deleted its outputs
         (
+            ["train.attention=flash_attention_2"],
+            "train.attention: flash_attention_2 needs a CUDA accelerator; expected auto, sdpa or eager here",
+        ),
+        (
             ["lora.target_modules=[q_proj,qkv_proj]"],
             "lora.target_modules: ['qkv_proj'] match no Linear layer; "
             "available: ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']",

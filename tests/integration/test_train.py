@@ -346,3 +346,13 @@ def test_the_fused_loss_under_zero3_gathers_a_frozen_head(tmp_path, inputs, tiny
     train(own, tiny_base_dir, tmp_path / "stock", [*frozen, "deepspeed=zero2", "train.kernels=off"])
     assert read_json(tmp_path / "fused" / "metrics.json")["kernels"]["fused_loss"] == 1
     assert_same_training(tmp_path / "fused", tmp_path / "stock", atol=1e-5)
+
+
+def test_eager_attention_trains_as_sdpa(tmp_path, inputs, tiny_base_dir, reference):
+    """train.attention reaches the ranks' model: eager attention (transformers' own, so not our CPU attention
+    kernel) gives the SDPA reference's losses and tensors within fp32 rounding."""
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "train.attention=eager"])
+    assert read_json(tmp_path / "checkpoints" / "plan.json")["launch"]["attention"] == "eager"
+    assert read_json(tmp_path / "metrics.json")["kernels"]["attention"] == 0
+    assert read_json(reference / "metrics.json")["kernels"]["attention"] == 1
+    assert_same_training(tmp_path, reference, atol=1e-5)

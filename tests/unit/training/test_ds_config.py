@@ -71,3 +71,26 @@ def test_ranks_share_the_node_s_cores_on_every_accelerator(monkeypatch):
         ]
         == "3"
     )
+
+
+def test_attention_is_flash_where_it_can_run_and_a_choice_that_cannot_is_named():
+    from pipeline.core import config
+    from pipeline.training.ds_config import FLASH, attention_implementation, resolve_launch
+
+    def choose(requested: str, accelerator: str = "cuda", precision: str = "bf16", installed: bool = True) -> str:
+        return attention_implementation(
+            requested, accelerator=accelerator, precision=precision, flash_installed=installed
+        )
+
+    assert choose("auto") == FLASH
+    assert choose("auto", installed=False) == choose("auto", precision="fp32") == choose("auto", "cpu") == "sdpa"
+    assert choose("eager", "cpu") == "eager" and choose("sdpa") == "sdpa"
+    for where, missing in (
+        ({"accelerator": "cpu"}, "a CUDA accelerator"),
+        ({"precision": "fp32"}, r"bf16 or fp16 \(train.precision is fp32\)"),
+        ({"installed": False}, r"the flash-attn package \(pip install flash-attn\)"),
+    ):
+        with pytest.raises(ValueError, match=rf"train.attention: flash_attention_2 needs {missing}"):
+            choose(FLASH, **where)
+    cfg = config.Config(**config.compose(REPO / "conf", ["launcher.accelerator=cpu", "train.attention=eager"]))
+    assert resolve_launch(train=cfg.train, launcher=cfg.launcher).attention == "eager"

@@ -3,13 +3,22 @@ refusal of a run that cannot fit, naming what would."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from safetensors.torch import load_file
 
 from pipeline.training.memory_estimate import Setting, Shapes, check_fits, per_rank, shapes
 
-LLAMA_3B = Shapes(parameters=3_212_749_824, largest=128_256 * 3072, trainable=24_313_856, hidden=3072, layers=28)
-LLAMA_70B = Shapes(parameters=70_553_706_496, largest=128_256 * 8192, trainable=207_093_760, hidden=8192, layers=80)
+LLAMA_3B = Shapes(
+    parameters=3_212_749_824, largest=128_256 * 3072, trainable=24_313_856, hidden=3072, layers=28, heads=24
+)
+LLAMA_8B_R16_ALL = Shapes(
+    parameters=8_030_261_248, largest=128_256 * 4096, trainable=41_943_040, hidden=4096, layers=32, heads=32
+)
+LLAMA_70B = Shapes(
+    parameters=70_553_706_496, largest=128_256 * 8192, trainable=207_093_760, hidden=8192, layers=80, heads=64
+)
 GPU = {"dtype_bytes": 2, "accelerator": "cuda", "offload_param": False, "offload_optimizer": False}
 
 
@@ -41,3 +50,23 @@ def test_a_70b_under_zero2_on_80gb_gpus_is_refused_naming_zero3():
     on_two = Setting(zero_stage=3, world_size=2, tokens=4096, checkpointing=True, **GPU)
     with pytest.raises(ValueError, match=r"expected deepspeed=zero3_offload"):  # parameters to the 1 TB of host
         check_fits(LLAMA_70B, on_two, device_bytes=80e9, host_bytes=1e12, ranks=2)
+
+
+@pytest.mark.parametrize("checkpointing, measured_mib", [(False, 34_685.5), (True, 18_801.9)])
+def test_the_8b_on_one_gpu_is_estimated_within_8_percent_of_its_measured_peak(checkpointing, measured_mib):
+    """bench.gpu_train on an H200 (docs/gpu.md): ZeRO-2, bf16, one 4,096-token sequence; the allocator's peak
+    (max_memory_allocated) plus the CUDA context the estimate counts."""
+    setting = Setting(zero_stage=2, world_size=1, tokens=4096, checkpointing=checkpointing, **GPU)
+    measured = measured_mib * 2**20 + 0.5e9
+    assert per_rank(LLAMA_8B_R16_ALL, setting)["device"] == pytest.approx(measured, rel=0.08)
+
+
+def test_eager_attention_counts_its_score_matrices():
+    """Eager attention keeps every layer's scores (heads x tokens x tokens, fp32 and bf16): 8B at 4,096 tokens
+    without checkpointing needs about 69 GB more than SDPA, which keeps none."""
+    plain = Setting(zero_stage=2, world_size=1, tokens=4096, checkpointing=False, sequence=4096, **GPU)
+    eager = replace(plain, eager_attention=True)
+    extra = per_rank(LLAMA_8B_R16_ALL, eager)["device"] - per_rank(LLAMA_8B_R16_ALL, plain)["device"]
+    assert extra == 4096 * 4096 * 32 * 6 * 32
+    recomputed = replace(eager, checkpointing=True)
+    assert per_rank(LLAMA_8B_R16_ALL, recomputed)["device"] < per_rank(LLAMA_8B_R16_ALL, eager)["device"] / 2
