@@ -5,7 +5,7 @@ target Python; DeepSpeed and ANTLR's runtime publish only source archives, built
 (DeepSpeed's ops JIT-compile there with nvcc). Versions are constraints.txt's, so the GPU runs our pins; transformers
 and peft too, since the machine's own differ. About 20 MB.
 
-    python -m tools.gpu_wheels [--out .whl] [--python-version 3.12]
+    python -m tools.gpu_wheels [--out .whl] [--python-version 3.12] [--bitsandbytes]   # QLoRA: 43 MB more
 
 Then, on the GPU machine, in the project's root (with `make run`'s artifacts/tokenizer and data/corpus):
 
@@ -26,7 +26,7 @@ PACKAGES = (  # what our stages import that the machine lacks, with what those i
     "annotated-types", "typing-inspection", "datasets", "dill", "multiprocess", "transformers", "peft",
 )  # fmt: skip
 SOURCE_ONLY = ("deepspeed", "antlr4-python3-runtime")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
 def pins(constraints: Path) -> dict[str, str]:
@@ -45,11 +45,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(".whl"))
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
+    parser.add_argument("--bitsandbytes", action="store_true", help="also bitsandbytes (gpu-check's QLoRA step)")
     args = parser.parse_args(argv)
     versions = pins(Path("constraints.txt"))
     args.out.mkdir(exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
-    binary = [pinned(n, versions) for n in PACKAGES if n not in SOURCE_ONLY]
+    names = [*PACKAGES, *(["bitsandbytes"] if args.bitsandbytes else [])]
+    binary = [pinned(n, versions) for n in names if n not in SOURCE_ONLY]
     platforms = [x for p in PLATFORMS for x in ("--platform", p)]
     subprocess.run([
         *pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", args.python_version,
