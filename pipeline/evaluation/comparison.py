@@ -67,12 +67,13 @@ def score_model(
         )
         for set_name, path in sets.items()
     }
-    model = ev.load_model(folder, adapter, precision=s.precision)
+    replicas = ev.load_replicas(folder, adapter, precision=s.precision)
+    model = replicas[0]
     ev.check_vocabulary(tokenizer, model, f"{tokenizer_dir} with {folder}")
     figures = {}
     for set_name, scored_examples in examples.items():
         scored = ev.score(
-            model,
+            replicas,
             scored_examples,
             context=s.context,
             stride=s.stride,

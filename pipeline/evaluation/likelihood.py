@@ -124,7 +124,7 @@ def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None 
 
 
 def score(
-    model,
+    model: torch.nn.Module | list[torch.nn.Module],
     examples: list[Example],
     *,
     context: int,
@@ -133,27 +133,48 @@ def score(
     desc: str | None = None,
     chunk: int | None = None,
 ) -> Score:
-    """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`)."""
+    """Sum of -log p over scored tokens, batched by length, in inference mode (a progress bar when `desc`). Given
+    replicas of the model (one per GPU: `load_replicas`), each scores every n-th batch in a thread of its own (the
+    GPUs' kernels run side by side); the sum is taken in batch order, so it is the one replica's to the last bit."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
+    replicas = model if isinstance(model, list) else [model]
     items = sorted((w for e in examples for w in windows(e, context, stride)), key=lambda w: -len(w[0]))
+    batches = [items[start : start + batch_size] for start in range(0, len(items), batch_size)]
     bar = tqdm(total=len(items), desc=desc, disable=desc is None, dynamic_ncols=True)
-    device = next(model.parameters()).device
-    nll, tokens = 0.0, 0
-    with torch.inference_mode():
-        for start in range(0, len(items), batch_size):
-            batch = items[start : start + batch_size]
-            width = len(batch[0][0])
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
-            for i, (window_ids, window_labels) in enumerate(batch):
-                ids[i, : len(window_ids)] = torch.tensor(window_ids)
-                labels[i, : len(window_labels)] = torch.tensor(window_labels)
-            nll += float(token_nll(model, ids.to(device), labels.to(device), chunk).sum())
-            tokens += int((labels != IGNORE_INDEX).sum())
-            bar.update(len(batch))
+
+    def scored(k: int) -> dict[int, float]:
+        replica = replicas[k]
+        device = next(replica.parameters()).device
+        sums = {}
+        with torch.inference_mode():
+            for index in range(k, len(batches), len(replicas)):
+                ids, labels = tensors(batches[index])
+                sums[index] = float(token_nll(replica, ids.to(device), labels.to(device), chunk).sum())
+                bar.update(len(batches[index]))
+        return sums
+
+    if len(replicas) == 1:
+        sums = scored(0)
+    else:
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            sums = {i: nll for part in pool.map(scored, range(len(replicas))) for i, nll in part.items()}
     bar.close()
-    return Score(nll, tokens, sum(e.nbytes for e in examples))
+    tokens = sum(int(label != IGNORE_INDEX) for _, labels in items for label in labels)
+    return Score(sum(sums[i] for i in range(len(batches))), tokens, sum(e.nbytes for e in examples))
+
+
+def tensors(batch: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of one batch right-padded into (ids, labels), the labels of the padding -100."""
+    width = len(batch[0][0])
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE_INDEX, dtype=torch.long)
+    for i, (window_ids, window_labels) in enumerate(batch):
+        ids[i, : len(window_ids)] = torch.tensor(window_ids)
+        labels[i, : len(window_labels)] = torch.tensor(window_labels)
+    return ids, labels
 
 
 def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -172,7 +193,13 @@ def greedy_samples(model, tokenizer, *, prompts: list[str], max_new_tokens: int)
 def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto"):
     """A model folder, optionally with a PEFT adapter (the base resized to the adapter's vocabulary first), in bf16
     where the hardware computes it natively (`precision` auto; see pipeline/core/precision.py) else fp32, placed by
-    `device_map`: on the CPU, on one GPU, or spread over the GPUs only where none holds it."""
+    `device_maps`: on the CPU, on the freest GPU, or spread over the GPUs only where none holds it."""
+    return load_replicas(model_dir, adapter_dir, precision=precision, most=1)[0]
+
+
+def load_replicas(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto", most: int | None = None):
+    """`load_model`'s model on each GPU that holds it whole (at most `most`), for data-parallel scoring; one model
+    where there is no GPU or none holds it."""
     from transformers import AutoModelForCausalLM
 
     from pipeline.core.precision import inference_dtype
@@ -182,24 +209,25 @@ def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "a
     cuda = torch.cuda.is_available()
     dtype = inference_dtype(precision, "cuda" if cuda else "cpu")
     free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())] if cuda else []
-    placement = device_map(model_bytes(model_dir, dtype), free) if free else None
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=placement)
-    if adapter_dir is not None:
-        model = with_adapter(model, adapter_dir)
-    return model.eval()
+    models = []
+    for placement in device_maps(model_bytes(model_dir, dtype), free)[:most]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=placement)
+        models.append((with_adapter(model, adapter_dir) if adapter_dir is not None else model).eval())
+    return models
 
 
 FIT = 0.8  # share of a GPU's free memory the weights may take when the whole model goes on one GPU
 
 
-def device_map(weight_bytes: int, free_bytes: list[int]) -> dict | str | None:
-    """Where the model goes: the CPU without GPUs (None); the whole model on the GPU with the most free memory where
-    its weights fit in FIT of it (the GPUs of a spread model run one at a time, so one GPU is as fast and leaves the
-    others free); spread over every GPU (accelerate's "auto") only where no GPU holds it."""
+def device_maps(weight_bytes: int, free_bytes: list[int]) -> list[dict | str | None]:
+    """Where the model's replicas go: the CPU without GPUs ([None]); a whole model on each GPU where its weights fit
+    in FIT of the free memory, the freest first (the GPUs of a spread model run one at a time, so whole replicas
+    score as many batches at once as there are GPUs); spread over every GPU (accelerate's "auto") only where no GPU
+    holds it."""
     if not free_bytes:
-        return None
-    best = max(range(len(free_bytes)), key=free_bytes.__getitem__)
-    return {"": best} if weight_bytes <= FIT * free_bytes[best] else "auto"
+        return [None]
+    freest_first = sorted(range(len(free_bytes)), key=lambda i: -free_bytes[i])
+    return [{"": i} for i in freest_first if weight_bytes <= FIT * free_bytes[i]] or ["auto"]
 
 
 def model_bytes(model_dir: Path, dtype: torch.dtype) -> int:

@@ -4,6 +4,7 @@ computation, the stage writes the table for base / adapter / merged, lm-evaluati
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import shutil
 from pathlib import Path
@@ -206,6 +207,20 @@ def test_chunked_logits_score_exactly_as_whole_ones(tiny_model):
         assert score(tiny_model, examples, context=64, stride=32, batch_size=2, chunk=chunk) == whole
 
 
+def test_replicas_score_their_share_of_the_batches_as_one_model_does(tiny_model):
+    """Data-parallel scoring: each replica (one per GPU; here copies on the CPU) takes every n-th batch in a thread;
+    the sum, taken in batch order, is the single model's to the last bit, with batches that do not divide evenly."""
+    generator = torch.Generator().manual_seed(4)
+    examples = [
+        Example(torch.randint(0, 49152, (n,), generator=generator).tolist(), [False] + [True] * (n - 1), n)
+        for n in (70, 150, 33, 90, 12)
+    ]
+    one = score(tiny_model, examples, context=32, stride=16, batch_size=2)
+    for n in (2, 3):
+        replicas = [tiny_model, *(copy.deepcopy(tiny_model) for _ in range(n - 1))]
+        assert score(replicas, examples, context=32, stride=16, batch_size=2) == one
+
+
 def test_bf16_scores_agree_with_fp32(trained, peoples_daily):
     """bf16 (chosen where the hardware computes it natively) gives the fp32 bits per byte within 1% (relative)."""
     from pipeline.evaluation.likelihood import load_model, text_examples
@@ -221,13 +236,14 @@ def test_bf16_scores_agree_with_fp32(trained, peoples_daily):
     assert figures["bf16"] == pytest.approx(figures["fp32"], rel=0.01), figures
 
 
-def test_a_model_goes_whole_on_one_gpu_where_it_fits_and_is_spread_only_where_none_holds_it(tiny_base_dir):
-    from pipeline.evaluation.likelihood import FIT, device_map, model_bytes
+def test_a_model_goes_whole_on_each_gpu_that_holds_it_and_is_spread_only_where_none_does(tiny_base_dir):
+    from pipeline.evaluation.likelihood import FIT, device_maps, model_bytes
 
     gib = 1 << 30
-    assert device_map(16 * gib, []) is None  # no GPU: the CPU
-    assert device_map(16 * gib, [70 * gib, 79 * gib, 40 * gib]) == {"": 1}  # whole, on the freest GPU
-    assert device_map(140 * gib, [79 * gib] * 8) == "auto"  # a 70B in bf16: spread
-    assert device_map(int(FIT * 79 * gib) + 1, [79 * gib]) == "auto"
+    assert device_maps(16 * gib, []) == [None]  # no GPU: the CPU
+    free = [70 * gib, 79 * gib, 12 * gib, 40 * gib]
+    assert device_maps(16 * gib, free) == [{"": 1}, {"": 0}, {"": 3}]  # a replica on each that holds it, freest first
+    assert device_maps(140 * gib, [79 * gib] * 8) == ["auto"]  # a 70B in bf16: spread
+    assert device_maps(int(FIT * 79 * gib) + 1, [79 * gib]) == ["auto"]
     parameters = sum(t.numel() for t in load_file(tiny_base_dir / "model.safetensors").values())
     assert model_bytes(tiny_base_dir, torch.bfloat16) == 2 * parameters
