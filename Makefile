@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser run test test-unit repro-check ui report lint format params bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes run test test-unit repro-check ui report lint format params bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -32,10 +32,17 @@ browser: ## install Debian's chromium + chromium-driver for the MLflow UI browse
 	    >/dev/null; } || echo "make browser: chromium could not be installed; the browser test will skip"; \
 	else echo "make browser: not root or no apt-get; install chromium and chromium-driver, or the browser test skips"; fi
 
+nodes: ## install Debian's openssh-server, pdsh, slurm-wlm and munge for the multi-node tests (as root with apt)
+	@if test -x /usr/sbin/sshd && command -v pdsh >/dev/null && command -v slurmd >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server pdsh slurm-wlm munge \
+	    >/dev/null; } || echo "make nodes: the packages could not be installed; the multi-node tests will skip"; \
+	else echo "make nodes: not root or no apt-get; install openssh-server, pdsh, slurm-wlm and munge, or those tests skip"; fi
+
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
-test: setup browser ## lint, then every test (unit and integration; the repro check at tiny size among them)
+test: setup browser nodes ## lint, then every test (unit and integration; the repro check at tiny size among them)
 	ruff check pipeline stages tools tests bench
 	ruff format --check pipeline stages tools tests bench
 	pytest

@@ -42,12 +42,15 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
     header, on the meta device)."""
     from pipeline.model import lora, outline
+    from pipeline.training import cluster, preflight
     from pipeline.training import ds_config as dsc
 
     errors = []
     try:
         dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
-    except ValueError as err:
+        if cfg.launcher.mode == "ssh":  # every node answers, with this code (the checkpoint folder: in train)
+            preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
+    except (ValueError, FileNotFoundError) as err:
         errors.append(str(err))
     if cfg.lora.target_modules != lora.ALL_LINEAR:
         try:

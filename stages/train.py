@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
+from pipeline.training import cluster, launch, plan, preflight, resume
 from pipeline.training import ds_config as dsc
-from pipeline.training import launch, plan, resume
 from pipeline.training.figures import write_curve
 from stages._common import run
 
@@ -17,7 +17,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if cfg.lora.quantization == "none":
         imports.without_unused()  # a base without an outline is outlined from its architecture: model code
     settings = dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
-    nodes = launch.Nodes(**cfg.launcher.model_dump(include={f.name for f in dataclasses.fields(launch.Nodes)}))
+    nodes = cluster.resolve(cfg.launcher)
+    if nodes.mode in ("ssh", "slurm"):
+        preflight.check_nodes(nodes, checkpoints=args.checkpoints)
     planned = args.checkpoints / plan.FILE
     env = launch.rank_environment(
         accelerator=settings.accelerator,
@@ -25,7 +27,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         kernels=cfg.train.kernels,
         keep_bitsandbytes=cfg.lora.quantization != "none",
     )
-    ranks = launch.start_ranks(nodes=nodes, ranks=settings.ranks_per_node, plan=planned, env=env)
+    ranks = launch.start_ranks(cluster=nodes, ranks=settings.ranks_per_node, plan=planned, env=env)
     try:
         paths = plan.Paths(**{f.name: getattr(args, f.name, None) for f in dataclasses.fields(plan.Paths)})
         the_plan = plan.make(
@@ -48,7 +50,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         finished = None if done is None else done["metrics"]
         plan.write(dataclasses.replace(the_plan, resume=dataclasses.replace(start, finished=finished)), planned)
         print(f"train: {dataclasses.asdict(settings)}")
-        code = launch.run_ranks(ranks, nodes=nodes, ranks=settings.ranks_per_node, plan=planned, env=env)
+        code = launch.run_ranks(ranks, cluster=nodes, ranks=settings.ranks_per_node, plan=planned, env=env)
         ranks = None
     finally:
         if ranks is not None:
@@ -56,7 +58,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if code != 0:
         print(f"error: train: the DeepSpeed ranks failed (exit {code}); see their output above", file=sys.stderr)
         sys.exit(1)
-    return read_json(args.metrics) if cfg.launcher.node_rank == 0 else {}  # global rank 0 runs on node 0
+    return read_json(args.metrics)  # global rank 0 runs on node 0, this one
 
 
 if __name__ == "__main__":

@@ -214,24 +214,25 @@ class TrackingConfig(Section):
 
 
 class LauncherConfig(Section):
+    mode: Literal["local", "ssh", "slurm", "manual"]
     ranks_per_node: Annotated[int, Field(gt=0)] | Literal["auto"]
     num_nodes: int = PositiveInt
     hostfile: str | None
-    node_rank: int = Field(ge=0)
     master_addr: str
     master_port: int | None = Field(gt=0, lt=65536)
     accelerator: Literal["auto", "cpu", "cuda"]
 
     @model_validator(mode="after")
     def _nodes(self) -> LauncherConfig:
-        if self.num_nodes > 1 and self.hostfile is None:
-            raise ValueError(f"launcher.hostfile: num_nodes={self.num_nodes} needs a hostfile, got null")
-        if self.num_nodes > 1 and self.master_port is None:
-            raise ValueError(f"launcher.master_port: num_nodes={self.num_nodes} needs a fixed port, got null")
-        if self.node_rank >= self.num_nodes:
+        if self.mode == "local" and self.num_nodes > 1:
             raise ValueError(
-                f"launcher.node_rank: must be < launcher.num_nodes ({self.num_nodes}), got {self.node_rank}"
+                f"launcher.num_nodes: {self.num_nodes} with launcher=local (this node alone); expected launcher=ssh "
+                "(one dvc repro starts every node), slurm (inside an allocation) or manual (you start each node)"
             )
+        if self.mode == "manual" and self.master_port is None:
+            raise ValueError("launcher.master_port: launcher=manual needs a port (the same on every node), got null")
+        if self.mode == "local" and self.master_addr == "auto":
+            raise ValueError("launcher.master_addr: auto names the first of several nodes; launcher=local has one")
         return self
 
 
@@ -364,7 +365,10 @@ INEFFECTIVE = (
     (lambda c: not c.tokenizer.extend, ("tokenizer.vocab_size", "tokenizer.model_type",
      "tokenizer.character_coverage", "tokenizer.max_train_chars"), "tokenizer.extend is false (tokenizer=extend_zh)"),
     (lambda c: not c.merge.verify, ("merge.max_abs_logit_diff", "merge.max_kl"), "merge.verify is false"),
-    (lambda c: c.launcher.num_nodes == 1, ("launcher.hostfile", "launcher.node_rank"), "launcher.num_nodes is 1"),
+    (lambda c: c.launcher.mode == "local", ("launcher.hostfile",), "launcher=local trains on this node alone"),
+    (lambda c: c.launcher.mode in ("ssh", "slurm"), ("launcher.num_nodes",),
+     "launcher=ssh and slurm count the nodes (the hostfile's, the allocation's)"),
+    (lambda c: c.launcher.mode == "slurm", ("launcher.hostfile",), "launcher=slurm trains on the allocation's nodes"),
     (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
      "data.format is text (packed blocks of data.block_size tokens)"),
     (lambda c: c.data.format != "text", ("data.block_size", "data.tail"), "data.format is not text"),

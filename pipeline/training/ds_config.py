@@ -57,9 +57,12 @@ class Launch:
 
 def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
     """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine."""
+    from pipeline.training import cluster
+
+    nodes = cluster.resolve(launcher)
     accelerator = accelerator_name(launcher.accelerator)
-    ranks = ranks_on_this_node(launcher.ranks_per_node, accelerator)
-    world = ranks * launcher.num_nodes
+    ranks = nodes.slots or ranks_on_this_node(launcher.ranks_per_node, accelerator)
+    world = ranks * len(nodes.hosts)
     checkpointing = train.gradient_checkpointing
     accumulation = accumulation_steps(
         train.gradient_accumulation_steps,
@@ -71,7 +74,7 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
     return Launch(
         accelerator=accelerator,
         ranks_per_node=ranks,
-        num_nodes=launcher.num_nodes,
+        num_nodes=len(nodes.hosts),
         world_size=world,
         precision=precision,
         gradient_accumulation_steps=accumulation,

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.environment import clear_stale_build_locks, extensions_dir, free_port, with_venv_path
+from pipeline.training.cluster import Cluster
 
 RANK_MODULE = "pipeline.training.rank"
 KEEP_BITSANDBYTES = "TRAIN_KEEP_BITSANDBYTES"  # "1": the ranks' base is quantized (they import it before the plan)
@@ -184,17 +185,6 @@ if __name__ == "__main__":
     build_ops()
 
 
-@dataclass(frozen=True, kw_only=True)
-class Nodes:
-    """Where this node's ranks meet the others (the `launcher` config group)."""
-
-    num_nodes: int
-    node_rank: int
-    hostfile: str | None
-    master_addr: str
-    master_port: int | None  # None: a free port, on one node
-
-
 def rank_environment(*, accelerator: str, ranks_per_node: int, kernels: str, keep_bitsandbytes: bool) -> dict:
     """The ranks' environment: the venv first on PATH, the accelerator, the node's cores shared among its ranks
     (each rank's threads would otherwise use every core: on a CPU that oversubscribes them while training, on 8 GPUs
@@ -210,32 +200,80 @@ def rank_environment(*, accelerator: str, ranks_per_node: int, kernels: str, kee
     return env
 
 
-def start_ranks(*, nodes: Nodes, ranks: int, plan: Path, env: dict[str, str]) -> Ranks | None:
+def start_ranks(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str]) -> Ranks | None:
     """On one node, its ranks started now: they import while the stage checks the run, and wait for `run_ranks` to
-    release them. None on several nodes (the deepspeed launcher starts them in `run_ranks`)."""
-    if nodes.num_nodes != 1:
+    release them. None on several nodes (a launcher starts them in `run_ranks`)."""
+    if cluster.mode != "local":
         return None
     before_launch()
     command = [sys.executable, "-m", RANK_MODULE, "--plan", str(plan)]
-    return Ranks(
-        command, ranks=ranks, env=env, master_addr=nodes.master_addr, master_port=nodes.master_port or free_port()
-    )
+    port = cluster.master_port or free_port()
+    return Ranks(command, ranks=ranks, env=env, master_addr=cluster.master_addr, master_port=port)
 
 
-def run_ranks(started: Ranks | None, *, nodes: Nodes, ranks: int, plan: Path, env: dict[str, str]) -> int:
-    """Release this node's ranks (or start them through the deepspeed launcher on several nodes), wait for them,
-    and clear what they leave; their exit code."""
+def run_ranks(started: Ranks | None, *, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str]) -> int:
+    """Release this node's ranks, or start every node's through the cluster's launcher (DeepSpeed's runner over
+    ssh, one launcher per node through srun, or this node's alone where each node is started by hand); wait for
+    them and clear what they leave; their exit code."""
     if started is not None:
         started.release({})
         code = started.wait()
     else:
         before_launch()
-        command = [
-            "deepspeed", "--log_level", "warning", "--num_gpus", str(ranks), "--num_nodes", str(nodes.num_nodes),
-            "--master_addr", nodes.master_addr, "--master_port", str(nodes.master_port or free_port()),
-            "--hostfile", str(nodes.hostfile), "--no_ssh", "--node_rank", str(nodes.node_rank),
-            "--module", RANK_MODULE, "--plan", str(plan),
-        ]  # fmt: skip
-        code = subprocess.run(command, env=env).returncode
+        port = cluster.master_port or free_port()
+        opened = announce(cluster=cluster, ranks=ranks, plan=plan, env=env, port=port)
+        try:
+            code = subprocess.run(launcher_command(cluster, ranks=ranks, plan=plan, port=port), env=opened).returncode
+        finally:
+            (plan.parent / LAUNCH_FILE).unlink(missing_ok=True)
     remove_stale_shm_buffers()
     return code
+
+
+LAUNCH_FILE = "launch.json"  # beside the plan while a launch of several nodes runs: what joining nodes need
+REMOTE_ENVIRONMENT = ("PATH", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS", KEEP_BITSANDBYTES)
+REMOTE_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "MKL_", "KMP_")
+
+
+def remote_environment(env: dict[str, str]) -> dict[str, str]:
+    """What the ranks of another node need of this node's rank environment: the venv first on PATH, the accelerator,
+    thread counts, the allocator's variables and every NCCL/gloo/torch setting (never this machine's own: HOME, the
+    GPUs it sees)."""
+    return {k: v for k, v in env.items() if k in REMOTE_ENVIRONMENT or k.startswith(REMOTE_PREFIXES)}
+
+
+def announce(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str], port: int) -> dict[str, str]:
+    """Write what the other nodes' launchers need beside the plan (launch.json; the ranks' environment also as
+    DeepSpeed's env file, which its ssh runner exports on every node); the launcher's own environment."""
+    from pipeline.training import preflight
+
+    carried = remote_environment(env)
+    env_file = plan.parent / ".deepspeed_env"
+    env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in carried.items()), encoding="utf-8")
+    launch = {"plan": str(plan.resolve()), "ranks": ranks, "hosts": list(cluster.hosts), "hostfile":
+              str(cluster.hostfile.resolve()) if cluster.hostfile else None, "master_addr": cluster.master_addr,
+              "master_port": port, "environment": carried, "code": preflight.code_digest(Path.cwd()),
+              "packages": preflight.packages()}  # fmt: skip
+    (plan.parent / LAUNCH_FILE).write_text(json.dumps(launch, indent=2), encoding="utf-8")
+    return {**env, "DS_ENV_FILE": str(env_file.resolve())}
+
+
+def launcher_command(cluster: Cluster, *, ranks: int, plan: Path, port: int, node_rank: int = 0) -> list[str]:
+    """The command that starts the ranks of `cluster` (on node `node_rank` only where each node is started apart)."""
+    rank = ["--module", RANK_MODULE, "--plan", str(plan.resolve())]
+    rendezvous = ["--master_addr", cluster.master_addr, "--master_port", str(port)]
+    if cluster.mode == "ssh":
+        return ["deepspeed", "--log_level", "warning", "--hostfile", str(cluster.hostfile), "--launcher", "pdsh",
+                "--no_ssh_check", *rendezvous, *rank]  # fmt: skip
+    if cluster.mode == "slurm":
+        from deepspeed.launcher.runner import encode_world_info
+
+        world = encode_world_info({host: list(range(ranks)) for host in cluster.hosts})
+        node = (f"exec {shlex.quote(sys.executable)} -u -m deepspeed.launcher.launch --world_info={world} "
+                f"--node_rank=$SLURM_NODEID --master_addr={cluster.master_addr} --master_port={port} "
+                f"--module {RANK_MODULE} --plan {shlex.quote(str(plan.resolve()))}")  # fmt: skip
+        return ["srun", "--nodes", str(len(cluster.hosts)), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
+                "--export=ALL", "sh", "-c", node]  # fmt: skip
+    return ["deepspeed", "--log_level", "warning", "--num_gpus", str(ranks), "--num_nodes", str(len(cluster.hosts)),
+            "--hostfile", str(cluster.hostfile), "--no_ssh", "--node_rank", str(node_rank), *rendezvous,
+            *rank]  # fmt: skip

@@ -9,12 +9,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from pipeline.core import config
@@ -156,27 +156,22 @@ def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, t
     assert report["against_trained_base"]["quantization"] == "nf4" and report["against_trained_base"]["mean_kl"] > 0
 
 
-def test_two_nodes_of_one_rank_each(tmp_path, inputs, tiny_base_dir, reference):
+def test_manual_nodes_join_node_0_s_launch(tmp_path, inputs, tiny_base_dir, reference):
+    """launcher=manual: node 0 runs the train stage, node 1 only `pipeline.training.join` (as a scheduler would start
+    it, before node 0); one world of two ranks trains what one rank trains, checkpoints in the one shared folder."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    port = free_port()
-    nodes = [
-        *TINY, "launcher.ranks_per_node=1", "launcher.num_nodes=2", f"launcher.hostfile={hostfile}",
-        "train.gradient_accumulation_steps=2", "deepspeed=zero2",
-    ]  # fmt: skip
-    processes = []
-    for rank in (0, 1):
-        command = train_command(inputs, tiny_base_dir, tmp_path / f"node{rank}", [*nodes, f"launcher.node_rank={rank}"])
-        params = Path(command[command.index("--params") + 1])
-        raw = yaml.safe_load(params.read_text())
-        raw["launcher"]["master_port"] = port
-        params.write_text(yaml.safe_dump(raw))
-        processes.append(
-            subprocess.Popen(command, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    outputs = [p.communicate(timeout=600)[0] for p in processes]
-    assert [p.returncode for p in processes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert_same_training(tmp_path / "node0", reference, atol=1e-5)
+    overrides = [*TINY, "launcher=manual", f"launcher.hostfile={hostfile}", f"launcher.master_port={free_port()}",
+                 "train.gradient_accumulation_steps=2"]  # fmt: skip
+    join = [sys.executable, "-m", "pipeline.training.join", "--checkpoints", str(tmp_path / "checkpoints"),
+            "--node-rank", "1", "--timeout", "300"]  # fmt: skip
+    node1 = subprocess.Popen(join, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
+    output1 = node1.communicate(timeout=300)[0]
+    assert (node0.returncode, node1.returncode) == (0, 0), node0.stdout[-2000:] + node0.stderr[-2000:] + output1[-2000:]
+    assert read_json(tmp_path / "checkpoints" / "plan.json")["launch"]["world_size"] == 2
+    assert not (tmp_path / "checkpoints" / "launch.json").exists()
+    assert_same_training(tmp_path, reference, atol=1e-5)
 
 
 @pytest.mark.parametrize(
