@@ -219,18 +219,25 @@ def run_ranks(started: Ranks | None, *, cluster: Cluster, ranks: int, plan: Path
         started.release({})
         code = started.wait()
     else:
+        import tempfile
+
         before_launch()
         port = cluster.master_port or free_port()
-        opened = announce(cluster=cluster, ranks=ranks, plan=plan, env=env, port=port)
-        try:
-            code = subprocess.run(launcher_command(cluster, ranks=ranks, plan=plan, port=port), env=opened).returncode
-        finally:
-            (plan.parent / LAUNCH_FILE).unlink(missing_ok=True)
+        if cluster.mode == "manual":
+            announce(cluster=cluster, ranks=ranks, plan=plan, env=env, port=port)
+        with tempfile.TemporaryDirectory(prefix="deepspeed-env-") as tmp:  # DeepSpeed's runner exports it over ssh
+            env_file = Path(tmp) / ".deepspeed_env"
+            env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in remote_environment(env).items()))
+            try:
+                command = launcher_command(cluster, ranks=ranks, plan=plan, port=port)
+                code = subprocess.run(command, env={**env, "DS_ENV_FILE": str(env_file)}).returncode
+            finally:
+                (plan.parent / LAUNCH_FILE).unlink(missing_ok=True)
     remove_stale_shm_buffers()
     return code
 
 
-LAUNCH_FILE = "launch.json"  # beside the plan while a launch of several nodes runs: what joining nodes need
+LAUNCH_FILE = "launch.json"  # beside the plan while a launcher=manual launch runs: what joining nodes need
 REMOTE_ENVIRONMENT = ("PATH", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS", KEEP_BITSANDBYTES)
 REMOTE_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "MKL_", "KMP_")
 
@@ -242,20 +249,17 @@ def remote_environment(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k in REMOTE_ENVIRONMENT or k.startswith(REMOTE_PREFIXES)}
 
 
-def announce(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str], port: int) -> dict[str, str]:
-    """Write what the other nodes' launchers need beside the plan (launch.json; the ranks' environment also as
-    DeepSpeed's env file, which its ssh runner exports on every node); the launcher's own environment."""
+def announce(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str], port: int) -> None:
+    """Write beside the plan what the joining nodes of a launcher=manual run need (launch.json): where the ranks
+    meet, their environment, and node 0's code and packages to compare theirs with."""
     from pipeline.training import preflight
 
     carried = remote_environment(env)
-    env_file = plan.parent / ".deepspeed_env"
-    env_file.write_text("".join(f"{k}={shlex.quote(v)}\n" for k, v in carried.items()), encoding="utf-8")
     launch = {"plan": str(plan.resolve()), "ranks": ranks, "hosts": list(cluster.hosts), "hostfile":
               str(cluster.hostfile.resolve()) if cluster.hostfile else None, "master_addr": cluster.master_addr,
               "master_port": port, "environment": carried, "code": preflight.code_digest(Path.cwd()),
               "packages": preflight.packages()}  # fmt: skip
     (plan.parent / LAUNCH_FILE).write_text(json.dumps(launch, indent=2), encoding="utf-8")
-    return {**env, "DS_ENV_FILE": str(env_file.resolve())}
 
 
 def launcher_command(cluster: Cluster, *, ranks: int, plan: Path, port: int, node_rank: int = 0) -> list[str]:

@@ -7,6 +7,7 @@ that fails any of it is refused by name, with what to do, before the collective 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -114,6 +115,8 @@ def check_nodes(cluster: Cluster, *, checkpoints: Path | None) -> None:
         if probes is not None:
             for probe in probes.glob(f"{token}*"):
                 probe.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another run's probes are still there
+                probes.rmdir()
 
 
 def check_node(host: str, code: int, out: str, err: str, *, here: dict) -> None:
