@@ -269,15 +269,11 @@ def launcher_command(cluster: Cluster, *, ranks: int, plan: Path, port: int, nod
     if cluster.mode == "ssh":
         return ["deepspeed", "--log_level", "warning", "--hostfile", str(cluster.hostfile), "--launcher", "pdsh",
                 "--no_ssh_check", *rendezvous, *rank]  # fmt: skip
-    if cluster.mode == "slurm":
-        from deepspeed.launcher.runner import encode_world_info
-
-        world = encode_world_info({host: list(range(ranks)) for host in cluster.hosts})
-        node = (f"exec {shlex.quote(sys.executable)} -u -m deepspeed.launcher.launch --world_info={world} "
-                f"--node_rank=$SLURM_NODEID --master_addr={cluster.master_addr} --master_port={port} "
-                f"--module {RANK_MODULE} --plan {shlex.quote(str(plan.resolve()))}")  # fmt: skip
+    if cluster.mode == "slurm":  # each node: DeepSpeed's launch with its rank and GPUs from Slurm
+        node = [sys.executable, "-m", "pipeline.training.slurm_node", "--hosts", ",".join(cluster.hosts), "--ranks",
+                str(ranks), f"--master_addr={cluster.master_addr}", f"--master_port={port}", *rank]  # fmt: skip
         return ["srun", "--nodes", str(len(cluster.hosts)), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
-                "--export=ALL", "sh", "-c", node]  # fmt: skip
+                "--export=ALL", *node]  # fmt: skip
     return ["deepspeed", "--log_level", "warning", "--num_gpus", str(ranks), "--num_nodes", str(len(cluster.hosts)),
             "--hostfile", str(cluster.hostfile), "--no_ssh", "--node_rank", str(node_rank), *rendezvous,
             *rank]  # fmt: skip

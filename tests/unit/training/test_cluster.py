@@ -67,3 +67,17 @@ def test_a_loopback_master_serves_only_nodes_on_this_machine(tmp_path):
 def test_several_nodes_need_a_launcher_that_starts_them():
     with pytest.raises(ValueError, match="launcher.num_nodes: 2 with launcher=local .* expected launcher=ssh"):
         launcher("launcher.num_nodes=2")
+
+
+def test_a_slurm_node_launches_its_ranks_on_the_gpus_slurm_gave_it():
+    """DeepSpeed's launch sets the ranks' CUDA_VISIBLE_DEVICES from the world info: each node lists its own."""
+    import base64
+    import json
+
+    from pipeline.training.slurm_node import launch_command, node_ids
+
+    assert node_ids("2,3", 2) == [2, 3] and node_ids(None, 2) == [0, 1] and node_ids("5", 2) == [0, 1]
+    assert node_ids("GPU-aa,GPU-bb", 2) == ["GPU-aa", "GPU-bb"]
+    command = launch_command(hosts=["n1", "n2"], node=1, ranks=2, visible="4,5", rest=["--module", "m"])
+    world = json.loads(base64.urlsafe_b64decode(command[4].removeprefix("--world_info=")))
+    assert world == {"n1": [0, 1], "n2": [4, 5]} and command[5:] == ["--node_rank=1", "--module", "m"]
