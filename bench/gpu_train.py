@@ -7,7 +7,7 @@ with 6N for comparison, and peak GPU memory; beside it, in the same run, the loo
 PEFT alone on the same model and settings (`eager_rate`), as a ratio. Goal on one H100: at least 12,500 tokens/s
 (NVIDIA NeMo AutoModel's published LoRA figure for Llama-3-8B on one H100: 12,473) and 45% MFU.
 
-    python -m bench.gpu_train [--steps 30] [--no-checkpointing]
+    python -m bench.gpu_train [--steps 30] [--no-checkpointing] [--no-eager] [--profile] [-S train.kernels=off ...]
     python -m bench.gpu_train --smoke [--results DIR]   # a tiny random LLaMA, 3 steps of 64 tokens (make test, gpu)
 """
 
@@ -29,6 +29,7 @@ from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import with_venv_path
 from pipeline.training.figures import peak_tflops
+from pipeline.training.profile import VARIABLE as profiled_steps_variable
 
 SHAPE = {  # Llama-3-8B
     "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -50,17 +51,26 @@ def overrides(steps: int, checkpointing: bool, block: int = BLOCK) -> list[str]:
 
 
 def measure(
-    *, shape: dict, block: int, steps: int, checkpointing: bool, tokenizer: Path, data: tuple[str, ...] = ()
+    *,
+    shape: dict,
+    block: int,
+    steps: int,
+    checkpointing: bool,
+    tokenizer: Path,
+    data: tuple[str, ...] = (),
+    eager: bool = True,
+    profile: Path | None = None,
 ) -> dict:
     """Cache the corpus and train the random model of `shape` on one GPU, in a temporary folder; the figures.
-    `data`: overrides naming other corpus files than params' default (data/corpus/, from `make run`)."""
+    `data`: more overrides (other corpus files than params' default data/corpus/ from `make run`, train.kernels=off);
+    `eager`: also run `eager_rate`; `profile`: a folder for the train stage's operator table (training.profile)."""
     with tempfile.TemporaryDirectory(prefix="gpu-train-") as tmp:
         work = Path(tmp)
         params = work / "params.yaml"
         composed = config.compose("conf", [*overrides(steps, checkpointing, block), *data])
         params.write_text(yaml.safe_dump(composed))
         n_params = write_random_llama(work / "base", tokenizer, shape=shape)
-        env = with_venv_path()
+        env = with_venv_path() | ({profiled_steps_variable: str(profile.resolve())} if profile else {})
         subprocess.run([
             sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", str(tokenizer),
             "--base-config", str(work / "base" / "config.json"), "--out", str(work / "dataset"),
@@ -73,12 +83,14 @@ def measure(
             "--run-id-file", str(work / "run.json"),
         ], check=True, env=env)  # fmt: skip
         metrics = read_json(work / "train.json")
-        eager = eager_rate(base=work / "base", block=block, steps=min(steps, 10), checkpointing=checkpointing)
+        if eager:
+            eager = eager_rate(base=work / "base", block=block, steps=min(steps, 10), checkpointing=checkpointing)
     name = torch.cuda.get_device_name(0)
     peak = peak_tflops(name)
     tokens_per_s = metrics["steady_tokens_per_s"] or metrics["tokens_per_s"]  # without the warm-up step
-    return {
+    figures = {
         "device": name,
+        "overrides": list(data),
         "parameters": n_params,
         "steps": steps,
         "block": block,
@@ -87,12 +99,14 @@ def measure(
         "mfu_4n_attention": metrics["mfu"],
         "mfu_6n": round(tokens_per_s * 6 * n_params / (peak * 1e12), 4) if peak else None,
         "peak_gpu_memory_mb": metrics.get("peak_gpu_memory_mb"),
-        "eager_tokens_per_s": round(eager["tokens_per_s"], 1),
-        "eager_peak_gpu_memory_mb": eager["peak_gpu_memory_mb"],
-        "speedup_vs_eager": round(tokens_per_s / eager["tokens_per_s"], 3),
         "target_tokens_per_s": 12_500,
         "target_mfu": 0.45,
     }
+    if eager:
+        figures["eager_tokens_per_s"] = round(eager["tokens_per_s"], 1)
+        figures["eager_peak_gpu_memory_mb"] = eager["peak_gpu_memory_mb"]
+        figures["speedup_vs_eager"] = round(tokens_per_s / eager["tokens_per_s"], 3)
+    return figures
 
 
 def eager_rate(*, base: Path, block: int, steps: int, checkpointing: bool) -> dict:
@@ -142,8 +156,12 @@ def main(argv: list[str] | None = None) -> None:
         "--no-checkpointing", dest="checkpointing", action="store_false",
         help="keep activations instead of recomputing them (the GPU default recomputes them: measured as users run)",
     )  # fmt: skip
+    parser.add_argument("--no-eager", dest="eager", action="store_false", help="skip the transformers + PEFT loop")
+    parser.add_argument("-S", "--override", action="append", default=[], help="a params override (train.kernels=off)")
+    parser.add_argument("--profile", type=Path, help="a folder for the train stage's operator table by device time")
     parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
     parser.add_argument("--eager-worker", type=Path, help=argparse.SUPPRESS)  # eager_rate's process: a base folder
+    parser.add_argument("--name", default="gpu_train", help="the results file's name (several runs in one folder)")
     parser.add_argument("--block", type=int, default=BLOCK, help=argparse.SUPPRESS)
     smoke_arguments(parser)
     args = parser.parse_args(argv)
@@ -156,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     results = results_folder(args)
     if not args.smoke:
         figures = measure(
-            shape=SHAPE, block=BLOCK, steps=args.steps, checkpointing=args.checkpointing, tokenizer=args.tokenizer
-        )
-        report("gpu_train", figures, results)
+            shape=SHAPE, block=BLOCK, steps=args.steps, checkpointing=args.checkpointing, tokenizer=args.tokenizer,
+            data=tuple(args.override), eager=args.eager, profile=args.profile,
+        )  # fmt: skip
+        report(args.name, figures, results)
         return
     with smoke_project(args.project) as project, tempfile.TemporaryDirectory(prefix="gpu-train-smoke-") as tmp:
         corpus = project / "data/corpus"
@@ -168,9 +187,10 @@ def main(argv: list[str] | None = None) -> None:
         data = (f"data.train_file={train_file}", f"data.heldout_file={corpus / 'peoples_daily_heldout.txt'}")
         figures = measure(
             shape=SMOKE_SHAPE, block=SMOKE_BLOCK, steps=SMOKE_STEPS, checkpointing=args.checkpointing,
-            tokenizer=project / "artifacts/tokenizer", data=data,
+            tokenizer=project / "artifacts/tokenizer", data=(*data, *args.override), eager=args.eager,
+            profile=args.profile,
         )  # fmt: skip
-    report("gpu_train", {**figures, "smoke": True}, results)
+    report(args.name, {**figures, "smoke": True}, results)
 
 
 if __name__ == "__main__":

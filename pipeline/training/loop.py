@@ -15,6 +15,7 @@ from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import pack, target_count
 from pipeline.training import figures
+from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
 
 
@@ -116,61 +117,65 @@ def train(
         wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
     begin, first = time.perf_counter(), None  # first: (tokens, seconds) after this segment's first step (warm-up)
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
-    for step in range(start, schedule.max_steps):
-        tick = time.perf_counter()
-        batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
-        loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
-        for index in range(accumulation):
-            indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
-            rows = [train_rows[i] for i in indices]
-            batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            engine.step()
-            loss_sum += float(loss.detach().float())
-            step_tokens += sum(len(row["input_ids"]) for row in rows)
-        loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
-        train_seconds += time.perf_counter() - tick
-        tokens += tokens_total
-        first = first or (tokens, train_seconds)
-        last_loss = loss_total / (accumulation * world)
-        record = {"step": step + 1, "loss": last_loss, "lr": lr}
-        history.train.append(record)
-        done = step + 1 == schedule.max_steps
-        if (step + 1) % schedule.eval_every == 0 or done:
-            subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
-            val_loss, _ = validate(
-                engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id, varlen=varlen
-            )
-            entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
-            history.validation.append(entry)
-            record = {**record, **entry}
-        throughput = tokens / max(train_seconds, 1e-9)
-        reporting.log({**record, "tokens_per_s": throughput}, step + 1)
-        reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
-        if (step + 1) % schedule.save_every == 0 or done:
-            peaks = figures.with_earlier(figures.memory_peaks(engine.device), peaks_before)
-            wall = wall_before + time.perf_counter() - begin
-            state = {
-                **run_state,
-                "step": step + 1,
-                "history": history.__dict__,
-                "tokens_seen": tokens,
-                "train_seconds": train_seconds,
-                "wall_seconds": wall,
-                "memory_peaks_mb": peaks,
-            }
-            if done:
-                summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
-                steady = train_seconds - first[1]  # without the first step: CUDA and cuBLAS start in it
-                summary["steady_tokens_per_s"] = (tokens - first[0]) / steady if step > start and steady > 0 else None
-                state["metrics"] = metrics = reporting.describe(summary)
-            folder.save(
-                engine=engine,
-                directory=directory,
-                step=step + 1,
-                state=state,
-                tokenizer_dir=tokenizer_dir,
-                keep_last=schedule.keep_last,
-            )
+    with profiled_steps(rank=rank) as profile_step:
+        for step in range(start, schedule.max_steps):
+            tick = time.perf_counter()
+            batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
+            loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
+            for index in range(accumulation):
+                indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
+                rows = [train_rows[i] for i in indices]
+                batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                loss_sum += float(loss.detach().float())
+                step_tokens += sum(len(row["input_ids"]) for row in rows)
+            loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
+            train_seconds += time.perf_counter() - tick
+            tokens += tokens_total
+            first = first or (tokens, train_seconds)
+            last_loss = loss_total / (accumulation * world)
+            record = {"step": step + 1, "loss": last_loss, "lr": lr}
+            history.train.append(record)
+            done = step + 1 == schedule.max_steps
+            if (step + 1) % schedule.eval_every == 0 or done:
+                subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
+                val_loss, _ = validate(
+                    engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id, varlen=varlen
+                )
+                entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+                history.validation.append(entry)
+                record = {**record, **entry}
+            throughput = tokens / max(train_seconds, 1e-9)
+            reporting.log({**record, "tokens_per_s": throughput}, step + 1)
+            reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
+            if (step + 1) % schedule.save_every == 0 or done:
+                peaks = figures.with_earlier(figures.memory_peaks(engine.device), peaks_before)
+                wall = wall_before + time.perf_counter() - begin
+                state = {
+                    **run_state,
+                    "step": step + 1,
+                    "history": history.__dict__,
+                    "tokens_seen": tokens,
+                    "train_seconds": train_seconds,
+                    "wall_seconds": wall,
+                    "memory_peaks_mb": peaks,
+                }
+                if done:
+                    summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
+                    steady = train_seconds - first[1]  # without the first step: CUDA and cuBLAS start in it
+                    summary["steady_tokens_per_s"] = (
+                        (tokens - first[0]) / steady if step > start and steady > 0 else None
+                    )
+                    state["metrics"] = metrics = reporting.describe(summary)
+                folder.save(
+                    engine=engine,
+                    directory=directory,
+                    step=step + 1,
+                    state=state,
+                    tokenizer_dir=tokenizer_dir,
+                    keep_last=schedule.keep_last,
+                )
+            profile_step()
     return {**metrics, "history": history.__dict__}
