@@ -48,7 +48,7 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     errors = []
     try:
         dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
-        if cfg.launcher.mode == "ssh":  # every node answers, with this code (the checkpoint folder: in train)
+        if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:
         errors.append(str(err))

@@ -220,6 +220,7 @@ class LauncherConfig(Section):
     hostfile: str | None
     master_addr: str
     master_port: int | None = Field(gt=0, lt=65536)
+    join_timeout_s: float = Field(gt=0)
     accelerator: Literal["auto", "cpu", "cuda"]
 
     @model_validator(mode="after")

@@ -53,6 +53,8 @@ class Launch:
     global_batch_size: int  # micro x accumulation x world size
     gradient_checkpointing: bool
     attention: str  # transformers' attn_implementation
+    hosts: tuple[str, ...]  # node 0 first
+    join_timeout_s: float  # launcher.join_timeout_s: the rendezvous and first all-reduce (training.world)
 
 
 def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
@@ -83,6 +85,8 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
         attention=attention_implementation(
             train.attention, accelerator=accelerator, precision=precision, flash_installed=flash_attn_installed()
         ),
+        hosts=nodes.hosts,
+        join_timeout_s=launcher.join_timeout_s,
     )
 
 

@@ -38,11 +38,8 @@ def check_same_node(launch: dict, node_rank: int) -> None:
     here = f"this node ({socket.gethostname()}, node {node_rank})"
     if preflight.code_digest(Path.cwd()) != launch["code"]:
         raise ValueError(f"join: {here} has other code in {Path.cwd()} than node 0; expected the same checkout")
-    ours = preflight.packages()
-    differ = sorted(n for n in {*ours, *launch["packages"]} if ours.get(n) != launch["packages"].get(n))
-    if differ:
-        raise ValueError(f"join: {here} has other packages than node 0 ({', '.join(differ[:5])}); "
-                         "expected the same environment")  # fmt: skip
+    if differ := preflight.package_differences(preflight.packages(), launch["packages"]):
+        raise ValueError(f"join: {here} has other packages than node 0 ({differ}); expected the same environment")
 
 
 def main() -> int:

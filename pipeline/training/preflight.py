@@ -32,6 +32,12 @@ def packages() -> dict[str, str]:
     return {**found, "python": sys.version.split()[0]}
 
 
+def package_differences(there: dict[str, str], here: dict[str, str]) -> str:
+    """The first few packages whose versions differ, `name theirs vs ours` ("" where none)."""
+    names = sorted(n for n in {*there, *here} if there.get(n) != here.get(n))
+    return ", ".join(f"{n} {there.get(n)} vs {here.get(n)}" for n in names[:5])
+
+
 def code_digest(root: Path) -> str:
     """One digest of the project's code as this node sees it: every .py file of CODE and dvc.lock, by path."""
     digest = hashlib.sha256()
@@ -138,10 +144,7 @@ def check_node(host: str, code: int, out: str, err: str, *, here: dict) -> None:
             f"launcher: node {host} has other code in {Path.cwd()} than this node (digest {there['code'][:12]} vs "
             f"{here['code'][:12]} over {', '.join(CODE)} and dvc.lock); expected the same checkout on every node"
         )
-    if there["packages"] != here["packages"]:
-        names = sorted(n for n in {*there["packages"], *here["packages"]}
-                       if there["packages"].get(n) != here["packages"].get(n))  # fmt: skip
-        differ = ", ".join(f"{n} {there['packages'].get(n)} vs {here['packages'].get(n)}" for n in names[:5])
+    if differ := package_differences(there["packages"], here["packages"]):
         raise ValueError(
             f"launcher: node {host} has other packages than this node ({differ}); expected the same environment "
             "on every node (make setup from the same constraints.txt)"

@@ -1,7 +1,8 @@
 """An opt-in torch profiler over a few training steps, for finding where a GPU step's time goes.
 
 `PIPELINE_PROFILE=DIR` (set by `bench.gpu_train --profile`): each rank profiles steps 3 and 4 of its segment (the
-first two warm up) and writes the operators by their own device time to DIR/profile_rank{R}.txt. Unset, it costs nothing."""
+first two warm up) and writes the operators by their own device time to DIR/profile_rank{R}.txt. Unset, it costs
+nothing."""
 
 from __future__ import annotations
 

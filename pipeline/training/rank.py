@@ -237,6 +237,7 @@ def main() -> None:
     from pipeline.core.errors import guarded
     from pipeline.core.quiet import quiet_third_parties
     from pipeline.training.launch import KEEP_BITSANDBYTES, released
+    from pipeline.training.world import join
 
     quiet_third_parties()
     if os.environ.get(KEEP_BITSANDBYTES) != "1":  # known before the plan is read: the imports come first
@@ -247,6 +248,8 @@ def main() -> None:
 
     released()  # the stage's checks are done and the plan is written
     plan = plans.read(args.plan)
+    launch = plan.launch
+    guarded(lambda: join(hosts=launch.hosts, ranks_per_node=launch.ranks_per_node, timeout_s=launch.join_timeout_s))
     deepspeed.init_distributed()
     guarded(lambda: run(plan))
 

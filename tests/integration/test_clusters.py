@@ -86,6 +86,23 @@ def test_a_node_with_other_code_is_refused(tmp_path, inputs, tiny_base_dir, node
     assert "expected the same checkout on every node" in refusal(done)
 
 
+def test_a_node_with_other_packages_is_refused(tmp_path, inputs, tiny_base_dir, nodes):
+    """Node 127.0.0.4 sees another version of one package in the project's virtual environment."""
+    from importlib import metadata
+
+    installed = next(Path(str(metadata.distribution("hjson").locate_file(""))).glob("hjson-*.dist-info"))
+    other = tmp_path / "other_dist_info"
+    shutil.copytree(installed, other)
+    text = (other / "METADATA").read_text(encoding="utf-8")
+    (other / "METADATA").write_text(re.sub(r"(?m)^Version: .*$", "Version: 9.9.9", text), encoding="utf-8")
+    nodes.add("127.0.0.4", mounts={installed: other})
+    done = ssh_train(inputs, tiny_base_dir, tmp_path, "localhost slots=1\n127.0.0.4 slots=1\n", nodes)
+    version = metadata.version("hjson")
+    assert f"launcher: node 127.0.0.4 has other packages than this node (hjson 9.9.9 vs {version})" in refusal(done)
+    assert "expected the same environment on every node" in refusal(done)
+    assert not (tmp_path / "checkpoints" / "plan.json").exists(), "refused before the run was planned"
+
+
 def test_a_checkpoint_folder_the_nodes_do_not_share_is_refused(tmp_path, inputs, tiny_base_dir, nodes):
     """Node 127.0.0.3 sees a disk of its own at the checkpoint folder's path (a node-local disk)."""
     (tmp_path / "checkpoints").mkdir()

@@ -174,6 +174,20 @@ def test_manual_nodes_join_node_0_s_launch(tmp_path, inputs, tiny_base_dir, refe
     assert_same_training(tmp_path, reference, atol=1e-5)
 
 
+def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path, inputs, tiny_base_dir):
+    """launcher=manual with node 1 never started: node 0's ranks give up after launcher.join_timeout_s, naming the
+    node, instead of waiting for torch's 30 minutes."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    overrides = [*TINY, "launcher=manual", f"launcher.hostfile={hostfile}", f"launcher.master_port={free_port()}",
+                 "launcher.join_timeout_s=5", "train.gradient_accumulation_steps=2"]  # fmt: skip
+    done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "node 1 (127.0.0.1, rank 1) did not join the rendezvous at" in output and "within 5 s" in output, output
+    assert "Traceback" not in output
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
