@@ -1,6 +1,6 @@
 """Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts, and the accuracy of each on the lm-evaluation-harness tasks of eval.tasks; the table
-and eval.json name the adapter's variant (DoRA, LoRA+, QLoRA)."""
+greedy samples from fixed prompts, the accuracy of each on the lm-evaluation-harness tasks of eval.tasks and on the
+held-out pairs of eval.preference_sets; the table and eval.json name the adapter's variant (DoRA, LoRA+, QLoRA)."""
 
 import argparse
 from pathlib import Path
@@ -24,8 +24,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         max_new_tokens=e.max_new_tokens,
         precision=e.precision,
         task_limit=e.task_limit,
+        max_seq_len=cfg.data.max_seq_len,
     )
-    results, task_results, samples = comparison.compare(
+    results, task_results, samples, preferences = comparison.compare(
         base=args.base,
         base_tokenizer=args.base_tokenizer,
         adapter=args.adapter,
@@ -33,6 +34,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         sets={name: args.sets / name / Path(path).name for name, path in e.sets.items()},
         specs=specs,
         scoring=scoring,
+        preference_sets={name: Path(path) for name, path in e.preference_sets.items()},
     )
     variant = comparison.adapter_variant(args.adapter)
     comparison.write_tables(
@@ -46,9 +48,11 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         variant=variant["name"],
     )
     figures = {**results, config.TASKS_KEY: task_results} if specs else dict(results)
+    if preferences:
+        figures[config.PREFERENCE_KEY] = preferences
     write_json(args.metrics, {**figures, config.VARIANT_KEY: variant})
     print(f"eval: the adapter is {variant['name']}")
-    print("\n".join(comparison.summary(results, task_results)))
+    print("\n".join(comparison.summary(results, task_results, preferences)))
     return figures
 
 

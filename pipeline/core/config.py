@@ -12,11 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 PositiveInt = Field(gt=0)
 TASKS_KEY = "tasks"  # eval.json: task accuracies beside the eval sets' bits per byte
 VARIANT_KEY = "variant"  # eval.json: what produced the adapter (DoRA, LoRA+, QLoRA)
+PREFERENCE_KEY = "preference"  # eval.json: accuracy on held-out preference pairs (eval.preference_sets)
 
 
 def set_figures(evaluation: dict) -> dict:
-    """eval.json's figures per evaluation set, without the task scores and the variant kept beside them."""
-    return {name: by_model for name, by_model in evaluation.items() if name not in (TASKS_KEY, VARIANT_KEY)}
+    """eval.json's figures per evaluation set, without the task scores, preference figures and variant beside them."""
+    reserved = (TASKS_KEY, VARIANT_KEY, PREFERENCE_KEY)
+    return {name: by_model for name, by_model in evaluation.items() if name not in reserved}
 
 
 Fraction = Field(ge=0.0, lt=1.0)
@@ -65,7 +67,7 @@ class SourceConfig(Section):
 
 
 class DataConfig(Section):
-    format: Literal["text", "alpaca", "chat"]
+    format: Literal["text", "alpaca", "chat", "preference"]
     train_file: str
     sources: list[SourceConfig]
     heldout_file: str
@@ -87,6 +89,11 @@ class DataConfig(Section):
             )
         if self.format == "chat" and self.prompt_template != "chat":
             raise ValueError("data.prompt_template: data.format=chat needs prompt_template=chat")
+        if self.format == "preference" and self.sources:
+            raise ValueError(
+                "data.sources: data.format=preference trains on data.train_file alone; weighted mixes take text or "
+                f"SFT (alpaca, chat) sources, got {len(self.sources)} source(s); expected data.sources=[]"
+            )
         for i, source in enumerate(self.sources):
             if (source.format == "text") != (self.format == "text"):
                 kind = "text" if self.format == "text" else "alpaca or chat"
@@ -154,6 +161,9 @@ class TrainConfig(Section):
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
     resize_embeddings: bool
+    objective: Literal["lm", "dpo", "orpo", "simpo"]
+    beta: float = Field(gt=0.0)
+    simpo_gamma: float = Field(ge=0.0)
     eval_every: int = PositiveInt
     eval_max_rows: int = Field(ge=0)
     save_every: int = PositiveInt
@@ -173,6 +183,7 @@ class TrainConfig(Section):
 
 class EvalConfig(Section):
     sets: dict[str, str] = Field(min_length=1)
+    preference_sets: dict[str, str]
     context: int = PositiveInt
     stride: int = PositiveInt
     batch_size: int = PositiveInt
@@ -187,7 +198,7 @@ class EvalConfig(Section):
     def _window(self) -> EvalConfig:
         if self.stride > self.context:
             raise ValueError(f"eval.stride: must be <= eval.context ({self.context}), got {self.stride}")
-        for reserved in (TASKS_KEY, VARIANT_KEY):
+        for reserved in (TASKS_KEY, VARIANT_KEY, PREFERENCE_KEY):
             if reserved in self.sets:
                 raise ValueError(f"eval.sets: {reserved!r} names other figures in eval.json; rename that set")
         return self
@@ -259,6 +270,12 @@ class Config(Section):
                 f"deepspeed.offload_param: a quantized base (lora.quantization={self.lora.quantization}) is packed in "
                 "bitsandbytes' own tensors, which DeepSpeed's parameter offload does not move; expected "
                 "offload_param=false (offload_optimizer is fine)"
+            )
+        preference = self.data.format == "preference"
+        if (self.train.objective != "lm") != preference:
+            raise ValueError(
+                f"train.objective: {self.train.objective} with data.format={self.data.format}; expected lm on text, "
+                "alpaca or chat data, and dpo, orpo or simpo on data.format=preference (pairs of responses)"
             )
         return self
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Packing:
-    """How items become rows (text: blocks of `block_size`; alpaca, chat: examples cut at `max_seq_len`) and how
-    the rows are split."""
+    """How items become rows (text: blocks of `block_size`; alpaca, chat: examples cut at `max_seq_len`;
+    preference: pairs of such examples) and how the rows are split."""
 
     data_format: str
     block_size: int

@@ -87,6 +87,15 @@ def review_instructions(*, pos: Path, neg: Path, n_train: int, n_heldout: int, s
     return rows[:n_train], rows[n_train : n_train + n_heldout]
 
 
+def review_preferences(rows: list[dict]) -> list[dict]:
+    """The review -> sentiment examples as preference pairs: the correct label chosen, the other one rejected."""
+    other = {"正面": "负面", "负面": "正面"}
+    return [
+        {"prompt": f"{row['instruction']}\n\n{row['input']}", "chosen": row["output"], "rejected": other[row["output"]]}
+        for row in rows
+    ]
+
+
 def chitchat_conversations(path: Path, *, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
     """Dialogues as chat messages: the first speaker is the user, the other the assistant."""
     conversations = []
@@ -144,6 +153,8 @@ def build_packaged_corpora(
     jsonl = {
         "reviews_sft_train.jsonl": reviews[0],
         "reviews_sft_heldout.jsonl": reviews[1],
+        "reviews_pref_train.jsonl": review_preferences(reviews[0]),
+        "reviews_pref_heldout.jsonl": review_preferences(reviews[1]),
         "chitchat_train.jsonl": chats[0],
         "chitchat_heldout.jsonl": chats[1],
     }

@@ -14,7 +14,13 @@ from typing import NamedTuple
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}  # any other suffix is plain text
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
-REQUIRED_FIELDS = {"text": (), "alpaca": ("instruction", "output"), "chat": ("messages",), "jsonl": ()}
+REQUIRED_FIELDS = {
+    "text": (),
+    "alpaca": ("instruction", "output"),
+    "chat": ("messages",),
+    "preference": ("chosen", "rejected"),  # and one of "prompt", "messages" (`check_fields`)
+    "jsonl": (),
+}
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
@@ -113,8 +119,8 @@ class Line(NamedTuple):
 
 def items(spec: Path | str, data_format: str, *, deferred: bool = False) -> Iterator:
     """Every item of a data path in order: `text` documents (non-blank lines of a text file, else the "text" field of
-    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat; "jsonl": any object). With
-    `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the work is done."""
+    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat, preference; "jsonl": any
+    object). With `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the work is done."""
     for path in data_files(spec):
         yield from file_items(path, data_format, deferred=deferred)
 
@@ -149,7 +155,7 @@ def _document(path: Path | str, where: int | str, row: dict) -> str:
     if "text" not in row:
         raise ValueError(
             f"{path}:{where}: a JSON object in a text source without a 'text' field; expected plain text (one "
-            "document per line) or rows with 'text', or the data format alpaca/chat"
+            "document per line) or rows with 'text', or the data format alpaca/chat/preference"
         )
     text = row["text"]
     if not isinstance(text, str):
@@ -189,15 +195,55 @@ def check_row(path: Path | str, number: int, line: str, required: tuple[str, ...
 
 
 def check_fields(path: Path | str, where: int | str, row: dict, required: tuple[str, ...]) -> dict:
-    """`row` (at line or row `where`), refused when a `required` field is missing or its messages are malformed."""
+    """`row` (at line or row `where`), refused when a `required` field is missing, its messages are malformed, or
+    (a preference pair) it lacks its prompt or a response is not text."""
     missing = [field for field in required if row.get(field) is None]
     if missing:
         raise ValueError(f"{path}:{where}: missing field(s) {', '.join(repr(m) for m in missing)}")
-    if "messages" in required and not _valid_messages(row["messages"]):
+    if "messages" in required:
+        _check_messages(path, where, row["messages"])
+    if "rejected" in required:
+        _check_pair(path, where, row)
+    return row
+
+
+def response_text(value: object) -> str | None:
+    """A preference row's response (`chosen`, `rejected`): a string, or an assistant message's content; None when it
+    is neither."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and value.get("role") == "assistant" and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _check_pair(path: Path | str, where: int | str, row: dict) -> None:
+    """Refuse a preference row without exactly one of a prompt string and a conversation, or with a response that is
+    neither a string nor an assistant message."""
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if (prompt is None) == (messages is None):
+        found = "neither 'prompt' nor 'messages'" if prompt is None else "both 'prompt' and 'messages'"
+        raise ValueError(
+            f"{path}:{where}: {found}; expected one of them: 'prompt' (a string) or 'messages' (the conversation "
+            "before the responses)"
+        )
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"{path}:{where}: 'prompt' must be a string, got {type(prompt).__name__}")
+    if messages is not None:
+        _check_messages(path, where, messages)
+    for field in ("chosen", "rejected"):
+        if response_text(row[field]) is None:
+            raise ValueError(
+                f'{path}:{where}: {field!r} must be a string or {{"role": "assistant", "content": str}}, '
+                f"got {row[field]!r:.80}"
+            )
+
+
+def _check_messages(path: Path | str, where: int | str, messages: object) -> None:
+    if not _valid_messages(messages):
         raise ValueError(
             f'{path}:{where}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
         )
-    return row
 
 
 def _valid_messages(messages: object) -> bool:

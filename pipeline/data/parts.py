@@ -1,9 +1,10 @@
-"""Tokenization of a stream of items (text documents or SFT rows) into part files in a work folder, a chunk at a time,
-by worker processes on every core, resumably: a part is written under a temporary name and renamed, its summary
-last, so a part whose summary exists is whole; a run killed after an hour starts again from the parts it finished.
-The folder is keyed by everything the parts depend on (tokenizer, inputs, format, chunk size): a change of any
-of them starts over. A part holds, as raw int32: `ids` (text: the documents' tokens, each ending with EOS; SFT:
-the examples' tokens), `lengths` (tokens per document or example) and, for SFT, `labels` (-100 on prompts)."""
+"""Tokenization of a stream of items (text documents, SFT rows or preference pairs) into part files in a work folder, a
+chunk at a time, by worker processes on every core, resumably: a part is written under a temporary name and renamed, its
+summary last, so a part whose summary exists is whole; a run killed after an hour starts again from the parts it
+finished. The folder is keyed by everything the parts depend on (tokenizer, inputs, format, chunk size): a change of any
+of them starts over. A part holds, as raw int32: `ids` (text: the documents' tokens, each ending with EOS; SFT: the
+examples' tokens; preference: each kept pair's two examples, chosen then rejected), `lengths` (tokens per document or
+example) and, for SFT and preference, `labels` (-100 on prompts)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Job:
 
     @property
     def family(self) -> str:
-        return "text" if self.data_format == "text" else "sft"
+        return self.data_format if self.data_format in ("text", "preference") else "sft"
 
 
 def chunks(items: Iterable, *, chunk_chars: int) -> Iterator[list]:
@@ -59,7 +60,10 @@ def _chars(item) -> int:
     if isinstance(item, Line):
         return len(item.text)
     messages = item.get("messages") or []
-    return sum(len(v) for v in item.values() if isinstance(v, str)) + sum(len(m["content"]) for m in messages)
+    texts = [v for v in item.values() if isinstance(v, str)] + [m["content"] for m in messages]
+    # a preference pair's responses given as assistant messages
+    texts += [v["content"] for v in item.values() if isinstance(v, dict) and isinstance(v.get("content"), str)]
+    return sum(map(len, texts))
 
 
 def prepare(folder: Path, key: dict) -> None:
@@ -173,9 +177,11 @@ def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], 
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    from pipeline.data.dataset import sft_arrays
+    """SFT examples, or a preference chunk's pairs as two examples each (`dataset.preference_arrays`)."""
+    from pipeline.data.dataset import preference_arrays, sft_arrays
 
-    arrays, counts = sft_arrays(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
+    build = preference_arrays if job.family == "preference" else sft_arrays
+    arrays, counts = build(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
     return arrays, {**counts, "tokens": int(arrays["lengths"].sum())}
 
 

@@ -3,7 +3,8 @@ validated a line at a time, tokenized into parts (see `parts`: parallel, resumab
 the parts on disk a batch at a time into the dataset folder (see `saved_splits`). Memory holds a chunk per worker
 and a batch of rows, never the corpus; the split indices (8 bytes a row) are the one thing that grows with it.
 The rows, the split and the bytes written are those of the in-memory builders (`dataset.build_pretraining`,
-`build_instruction`) on the same items, for any chunk size and number of workers."""
+`build_instruction`) on the same items, for any chunk size and number of workers; preference pairs (`Pairs`: a row
+per pair, split over pairs) likewise do not depend on either."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
-from pipeline.data.dataset import IGNORE_INDEX, SFT_ARRAYS, split_indices, to_table
+from pipeline.data.dataset import IGNORE_INDEX, PAIR_COLUMNS, PAIR_COUNTS, SFT_ARRAYS, split_indices, to_table
 from pipeline.data.inputs import data_files, estimated_items, items
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
@@ -135,8 +136,9 @@ class Examples:
         ids, labels, lengths = (Stream([parts.array_path(folder, i, name) for i in indices]) for name in SFT_ARRAYS)
         return cls(ids, labels, lengths.read(0, len(lengths)))
 
-    def take(self, indices: np.ndarray) -> pa.Table:
-        ids, labels, ends = [], [], [0]
+    def pieces(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """The ids and the labels of the examples at `indices` (sorted, not empty)."""
+        ids, labels = [], []
         for run in runs(indices):
             base = int(self.offsets[run[0]])
             span = (base, int(self.offsets[run[-1] + 1]))
@@ -145,21 +147,54 @@ class Examples:
                 low, high = int(self.offsets[i]) - base, int(self.offsets[i + 1]) - base
                 ids.append(all_ids[low:high])
                 labels.append(all_labels[low:high])
-                ends.append(ends[-1] + high - low)
-        offsets = pa.array(ends, pa.int32())
-        return pa.table(
-            {
-                "input_ids": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(ids), pa.int32())),
-                "labels": pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(labels), pa.int32())),
-            }
-        )
+        return ids, labels
+
+    def take(self, indices: np.ndarray) -> pa.Table:
+        ids, labels = self.pieces(indices)
+        return pa.table({"input_ids": list_column(ids), "labels": list_column(labels)})
+
+    def tokens(self, indices: np.ndarray) -> int:
+        """The tokens of the examples at `indices`."""
+        return int((self.offsets[indices + 1] - self.offsets[indices]).sum())
 
     def source_tokens(self, indices: np.ndarray, counts: np.ndarray) -> None:
         for i in indices:
             self.ids.source_tokens(int(self.offsets[i]), int(self.offsets[i + 1]), counts)
 
 
-def write(out: Path, rows: Blocks | Examples, *, validation_fraction: float, seed: int, sources: int = 0) -> dict:
+def list_column(pieces: list[np.ndarray]) -> pa.ListArray:
+    """Rows of int32 tokens as one list<int32> column."""
+    ends = np.concatenate([[0], np.cumsum([len(piece) for piece in pieces], dtype=np.int64)])
+    return pa.ListArray.from_arrays(pa.array(ends, pa.int32()), pa.array(np.concatenate(pieces), pa.int32()))
+
+
+class Pairs:
+    """Preference pairs read from their examples, two a pair (chosen, then rejected): a row holds the chosen side as
+    `input_ids`, `labels` and the rejected side as `rejected_input_ids`, `rejected_labels` (`PAIR_COLUMNS`). Rows
+    are pairs, so the split never puts the two sides of one pair apart."""
+
+    def __init__(self, examples: Examples):
+        self.examples = examples
+        self.count = examples.count // 2
+
+    @classmethod
+    def of_parts(cls, folder: Path, indices: list[int]) -> Pairs:
+        return cls(Examples.of_parts(folder, indices))
+
+    @staticmethod
+    def sides(indices: np.ndarray) -> np.ndarray:
+        """The examples of the pairs at `indices`: each pair's chosen, then its rejected."""
+        return np.stack([2 * indices, 2 * indices + 1], axis=1).ravel()
+
+    def take(self, indices: np.ndarray) -> pa.Table:
+        ids, labels = self.examples.pieces(self.sides(indices))
+        columns = (ids[0::2], labels[0::2], ids[1::2], labels[1::2])
+        return pa.table({name: list_column(rows) for name, rows in zip(PAIR_COLUMNS, columns, strict=True)})
+
+
+def write(
+    out: Path, rows: Blocks | Examples | Pairs, *, validation_fraction: float, seed: int, sources: int = 0
+) -> dict:
     """Split the rows (seeded, as `split_indices`) and write both splits into `out`; the split's figures (with
     `sources`, a mix's: also the train split's tokens per source)."""
     train, val = split_indices(rows.count, validation_fraction, seed)
@@ -188,12 +223,14 @@ def write(out: Path, rows: Blocks | Examples, *, validation_fraction: float, see
     return figures
 
 
-def _nbytes(rows: Blocks | Examples, indices: np.ndarray) -> int:
-    """The bytes of the split's two columns (int32 tokens, plus 4-byte offsets for SFT rows)."""
+def _nbytes(rows: Blocks | Examples | Pairs, indices: np.ndarray) -> int:
+    """The bytes of the split's columns: int32 tokens in pairs of columns (ids, labels), plus 4-byte offsets per
+    column of variable rows (SFT: two columns; preference: four)."""
     if isinstance(rows, Blocks):
         return 2 * 4 * len(indices) * rows.size
-    ends = rows.offsets[indices + 1] - rows.offsets[indices] if len(indices) else np.zeros(0)
-    return 2 * 4 * (int(ends.sum()) + len(indices) + 1)
+    if isinstance(rows, Pairs):
+        return 2 * 4 * rows.examples.tokens(Pairs.sides(indices)) + 4 * 4 * (len(indices) + 1)
+    return 2 * 4 * (rows.tokens(indices) + len(indices) + 1)
 
 
 def tokenized(
@@ -240,8 +277,12 @@ def _blocks(stream: Stream | Mixed, packing, tokenizer_dir: Path) -> tuple[Block
     }
 
 
-def _sft_figures(summaries: list[dict]) -> dict:
-    return {key: sum(s[key] for s in summaries) for key in ("examples", "truncated_examples", "dropped_examples")}
+COUNTS = {"sft": ("examples", "truncated_examples", "dropped_examples"), "preference": PAIR_COUNTS}
+
+
+def _counts(summaries: list[dict], family: str) -> dict:
+    """The parts' counts of examples (SFT) or pairs (preference), truncated and dropped ones, summed."""
+    return {key: sum(s[key] for s in summaries) for key in COUNTS[family]}
 
 
 def _measured(summaries: list[dict], seconds: float, workers: int) -> dict:
@@ -269,8 +310,9 @@ def build(
     chunk_chars: int,
 ) -> dict:
     """Write the dataset of `train_file` (less its last `heldout_fraction` when given) into `out`; its figures:
-    documents, tokens, blocks, padded and dropped tokens (text) or examples, truncated and dropped examples (SFT),
-    rows per split, the train split's masked fraction, and tokens/s (per core)."""
+    documents, tokens, blocks, padded and dropped tokens (text), examples, truncated and dropped examples (SFT) or
+    pairs, truncated and dropped pairs (preference: a row is a pair), rows per split, the train split's masked
+    fraction (of the chosen side's labels for pairs), and tokens/s (per core)."""
     p = packing
     job = parts.Job(str(tokenizer_dir), p.data_format, p.template, p.max_seq_len)
     count, summaries, seconds = tokenized(
@@ -282,12 +324,11 @@ def build(
         rows, shape = _blocks(Stream([parts.array_path(work, i, "ids") for i in indices]), p, tokenizer_dir)
         figures |= shape
     else:
-        rows = Examples.of_parts(work, indices)
-        figures |= _sft_figures(summaries)
+        rows = (Pairs if job.family == "preference" else Examples).of_parts(work, indices)
+        figures |= _counts(summaries, job.family)
         if rows.count < 1:
-            raise ValueError(
-                f"data.max_seq_len: every example lost its response to truncation at {p.max_seq_len} tokens"
-            )
+            what = "pair lost a response" if job.family == "preference" else "example lost its response"
+            raise ValueError(f"data.max_seq_len: every {what} to truncation at {p.max_seq_len} tokens")
     figures |= write(out, rows, validation_fraction=p.validation_fraction, seed=p.seed)
     return figures | _measured(summaries, seconds, workers)
 
@@ -335,7 +376,7 @@ def build_mix(
         figures |= shape
     else:
         rows = Examples(ids, Mixed(labels, lengths, mix), ids.length)
-        figures |= _sft_figures(summaries)
+        figures |= _counts(summaries, "sft")
     figures |= write(out, rows, validation_fraction=p.validation_fraction, seed=p.seed, sources=len(sources))
     items_per_source = np.bincount(mix[:, 0], minlength=len(sources)).tolist()
     figures["sources"] = mixing.report(sources, shares, figures.pop("source_tokens"), items_per_source)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.atomic import atomic_path, read_json
-from pipeline.evaluation import tasks
+from pipeline.evaluation import preference, tasks
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Scoring:
     max_new_tokens: int
     precision: str
     task_limit: int | None
+    max_seq_len: int  # preference pairs are cut as training cuts them
 
 
 def adapter_variant(adapter_dir: Path) -> dict[str, str]:
@@ -54,8 +55,10 @@ def score_model(
     sets: dict[str, Path],
     specs: list[tasks.TaskSpec],
     scoring: Scoring,
-) -> tuple[dict[str, dict], list[str], dict[str, dict]]:
-    """One model's figures on every set, its greedy samples and its task scores."""
+    preference_sets: dict[str, Path],
+) -> tuple[dict[str, dict], list[str], dict[str, dict], dict]:
+    """One model's figures on every set, its greedy samples, its task scores and its log-probabilities of every
+    preference set's responses (`preference.pair_logps`)."""
     from pipeline.data.tokenizer import load_tokenizer
     from pipeline.evaluation import likelihood as ev
 
@@ -66,6 +69,12 @@ def score_model(
             tokenizer, path, template=s.template, max_bytes=s.max_bytes, context=s.context, key=f"eval.sets.{set_name}"
         )
         for set_name, path in sets.items()
+    }
+    preference_pairs = {
+        set_name: preference.load_pairs(
+            tokenizer, path, template=s.template, max_seq_len=s.max_seq_len, key=f"eval.preference_sets.{set_name}"
+        )
+        for set_name, path in preference_sets.items()
     }
     replicas = ev.load_replicas(folder, adapter, precision=s.precision)
     model = replicas[0]
@@ -81,8 +90,14 @@ def score_model(
             desc=f"{name}/{set_name}",
         )
         figures[set_name] = {k: round(v, 6) for k, v in scored.as_dict().items()}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    logps = {
+        set_name: preference.pair_logps(model, pairs, batch_size=s.batch_size, pad_id=pad_id or 0)
+        for set_name, pairs in preference_pairs.items()
+    }
     samples = ev.greedy_samples(model, tokenizer, prompts=s.prompts, max_new_tokens=s.max_new_tokens)
-    return figures, samples, tasks.run_tasks(model, tokenizer, specs, batch_size=s.batch_size, limit=s.task_limit)
+    scores = tasks.run_tasks(model, tokenizer, specs, batch_size=s.batch_size, limit=s.task_limit)
+    return figures, samples, scores, logps
 
 
 def compare(
@@ -94,10 +109,11 @@ def compare(
     sets: dict[str, Path],
     specs: list[tasks.TaskSpec],
     scoring: Scoring,
-) -> tuple[dict[str, dict], dict[str, dict], dict[str, list[str]]]:
-    """Figures per set and model, task scores per task and model, and greedy samples per model, for the base, base +
-    adapter and merged models; where the merge proof passed, base + adapter takes the merged model's (marked
-    `scored_as`) instead of being scored again."""
+    preference_sets: dict[str, Path],
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, list[str]], dict[str, dict]]:
+    """Figures per set and model, task scores per task and model, greedy samples per model and preference figures
+    per preference set and model, for the base, base + adapter and merged models; where the merge proof passed, base
+    + adapter takes the merged model's (marked `scored_as`) instead of being scored again."""
     models = {
         "base": (base, None, base_tokenizer),
         "adapter": (base, adapter, adapter),
@@ -111,10 +127,11 @@ def compare(
     results: dict[str, dict] = {s: {} for s in sets}
     task_results: dict[str, dict] = {spec.name: {} for spec in specs}
     samples: dict[str, list[str]] = {}
+    logps: dict[str, dict] = {}
     for name, (folder, adapter_dir, tokenizer_dir) in models.items():
         if name == "adapter" and same_as_merged:
             continue
-        figures, samples[name], scores = score_model(
+        figures, samples[name], scores, logps[name] = score_model(
             name=name,
             folder=folder,
             adapter=adapter_dir,
@@ -122,6 +139,7 @@ def compare(
             sets=sets,
             specs=specs,
             scoring=scoring,
+            preference_sets=preference_sets,
         )
         for set_name, values in figures.items():
             results[set_name][name] = values
@@ -133,7 +151,15 @@ def compare(
             by_model["adapter"] = {**by_model["merged"], "scored_as": same_as_merged}
         for by_model in task_results.values():
             by_model["adapter"] = dict(by_model["merged"])  # the same model: the table above says so
-    return results, task_results, samples
+        logps["adapter"] = logps["merged"]
+    preferences = {
+        set_name: {
+            name: preference.figures(by_set[set_name], None if name == "base" else logps["base"][set_name])
+            for name, by_set in logps.items()
+        }
+        for set_name in preference_sets
+    }
+    return results, task_results, samples, preferences
 
 
 def write_tables(
@@ -168,8 +194,9 @@ def write_tables(
         tmp.write_text("\n".join(lines), encoding="utf-8")
 
 
-def summary(results: dict[str, dict], task_results: dict[str, dict]) -> list[str]:
-    """The figures as terminal lines: set x model, then task x model x metric (± its standard error)."""
+def summary(results: dict[str, dict], task_results: dict[str, dict], preferences: dict | None = None) -> list[str]:
+    """The figures as terminal lines: set x model, then task x model x metric (± its standard error), then
+    preference set x model."""
     lines = [f"{'set':<12} {'model':<8} {'bits/byte':>10} {'perplexity':>12} {'tokens':>8}"]
     for s, by in results.items():
         for m, v in by.items():
@@ -178,4 +205,11 @@ def summary(results: dict[str, dict], task_results: dict[str, dict]) -> list[str
     for task, metric, model, value, stderr in tasks.scores(task_results):
         error = "" if stderr is None else f" ± {stderr:.4f}"
         lines.append(f"{task:<24} {model:<8} {metric:<22} {value:>7.4f}{error}")
+    for set_name, by_model in (preferences or {}).items():
+        for model, v in by_model.items():
+            reward = f", reward accuracy {v['reward_accuracy']:.4f}" if "reward_accuracy" in v else ""
+            lines.append(
+                f"{set_name:<12} {model:<8} preference accuracy {v['preference_accuracy']:.4f}, mean margin "
+                f"{v['mean_margin']:.3f} nats{reward} ({v['pairs']} pairs)"
+            )
     return lines

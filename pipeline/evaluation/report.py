@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.atomic import read_json
-from pipeline.core.config import TASKS_KEY, VARIANT_KEY, set_figures
+from pipeline.core.config import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY, set_figures
 
 
 def _number(value, digits: int = 4) -> str:
@@ -33,6 +33,11 @@ def evaluation_table(evaluation: dict) -> list[str]:
                 shown = f"{value:.3f}" + ("" if error is None else f" ± {error:.3f}")
                 label = f"{task} {metric}"
                 lines.append(f"{label[:15]:<16}{model[:8]:<9}{'-':>11}{'-':>12}{'-':>9}{shown:>16}")
+    for name, models in evaluation.get(PREFERENCE_KEY, {}).items():
+        for model, figures in models.items():
+            shown = f"{figures['preference_accuracy']:.3f}"
+            label = f"{name} pairs"
+            lines.append(f"{label[:15]:<16}{model[:8]:<9}{'-':>11}{'-':>12}{figures['pairs']:>9}{shown:>16}")
     if VARIANT_KEY in evaluation:
         lines.append(f"adapter: {evaluation[VARIANT_KEY]['name']}")
     return lines

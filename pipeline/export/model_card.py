@@ -12,9 +12,9 @@ from pipeline.core.atomic import atomic_path
 from pipeline.core.config import TASKS_KEY, set_figures
 
 CARD = "README.md"
-TRAINING_FIGURES = ("steps", "final_train_loss", "val_loss", "val_perplexity", "trainable_parameters", "precision",
-                    "world_size", "zero_stage")  # fmt: skip
-DATASET_FIGURES = ("documents", "tokens", "train_rows", "validation_rows", "masked_fraction")
+TRAINING_FIGURES = ("steps", "final_train_loss", "val_loss", "val_perplexity", "val_preference_accuracy",
+                    "val_reward_margin", "trainable_parameters", "precision", "world_size", "zero_stage")  # fmt: skip
+DATASET_FIGURES = ("documents", "pairs", "dropped_pairs", "tokens", "train_rows", "validation_rows", "masked_fraction")
 CONFIG_SECTIONS = ("model", "data", "lora", "train", "deepspeed")
 
 
@@ -42,6 +42,22 @@ def _data(params: dict, dataset: dict) -> list[str]:
     else:
         lines = [f"`{data['train_file']}` ({data['format']})."]
     return [*lines, "", *_table(dataset, DATASET_FIGURES)]
+
+
+OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
+
+
+def _objective(train: dict) -> list[str]:
+    """What the adapter was trained to do: next-token prediction, or a preference objective with its settings."""
+    kind = train.get("objective", "lm")
+    if kind == "lm":
+        return ["Next-token prediction on the data above (`train.objective: lm`)."]
+    settings = f"beta {train['beta']}" + (f", gamma {train['simpo_gamma']}" if kind == "simpo" else "")
+    reference = " against the base with the adapter disabled as the reference" if kind == "dpo" else ""
+    return [
+        f"Preference tuning with {OBJECTIVES[kind]} ({settings}) on pairs of a chosen and a rejected response"
+        f"{reference} (`train.objective: {kind}`)."
+    ]
 
 
 def _evaluation(evaluation: dict) -> list[str]:
@@ -77,6 +93,7 @@ def render(
         "license": "other",  # placeholder: the base model's and the data's licenses decide
         "pipeline_tag": "text-generation",
         "tags": ["lora", "deepspeed", "dvc", f"data-{params['data']['format']}"]
+        + ([params["train"]["objective"]] if params["train"].get("objective", "lm") != "lm" else [])
         + (["peft"] if kind == "adapter" else ["merged"]),
     }
     folder = "artifacts/adapter" if kind == "adapter" else "artifacts/merged"
@@ -94,6 +111,10 @@ def render(
         "## Data",
         "",
         *_data(params, dataset),
+        "",
+        "## Objective",
+        "",
+        *_objective(params["train"]),
         "",
         "## Configuration",
         "",

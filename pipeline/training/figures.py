@@ -48,6 +48,7 @@ def summary(history, steps: int, start: int, tokens: float, seconds: float, wall
         "final_train_loss": history.train[-1]["loss"] if history.train else None,
         "val_loss": validation.get("val_loss"),
         "val_perplexity": validation.get("val_perplexity"),
+        **{k: v for k, v in validation.items() if k.startswith("val_") and k not in ("val_loss", "val_perplexity")},
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "train_seconds": seconds,
         "wall_seconds": wall,
@@ -94,13 +95,22 @@ def mfu(*, tokens_per_s: float, n_params: int, model_config, seq_len: int, world
 
 
 def write_curve(path: Path, history: dict) -> None:
-    """One CSV row per step: loss and LR, validation figures where measured (a DVC plot)."""
+    """One CSV row per step: loss and LR, validation figures where measured, and what else the objective records
+    (preference accuracy and rewards) after them (a DVC plot)."""
     validation = {v["step"]: v for v in history["validation"]}
-    lines = ["step,loss,lr,val_loss,val_perplexity"]
+    columns = ["loss", "lr", "val_loss", "val_perplexity"]
+    for record in (*history["train"], *history["validation"]):
+        columns += [key for key in record if key != "step" and key not in columns]
+    lines = [",".join(["step", *columns])]
     for row in history["train"]:
-        v = validation.get(row["step"], {})
-        lines.append(
-            f"{row['step']},{row['loss']:.6f},{row['lr']:.6g},{v.get('val_loss', '')},{v.get('val_perplexity', '')}"
-        )
+        values = {**validation.get(row["step"], {}), **row}
+        lines.append(",".join([str(row["step"]), *(_cell(key, values.get(key)) for key in columns)]))
     with atomic_path(path) as tmp:
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+CURVE_FORMATS = {"loss": "{:.6f}", "lr": "{:.6g}"}  # the rest as Python writes them; empty where not measured
+
+
+def _cell(key: str, value) -> str:
+    return "" if value is None else CURVE_FORMATS.get(key, "{}").format(value)

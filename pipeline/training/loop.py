@@ -15,6 +15,7 @@ from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import pack, target_count
 from pipeline.training import figures
+from pipeline.training.preference import STATS, Objective, described, pair_loss
 from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
 
@@ -43,14 +44,10 @@ def validate(
     engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, varlen: bool = False
 ) -> tuple[float, int]:
     """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
-    n = len(rows)
-    per_rank = math.ceil(n / world_size)
     loss_sum, tokens = 0.0, 0
     engine.eval()
     with torch.no_grad():
-        for start in range(0, per_rank, micro):
-            indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
-            real = [i for i in indices if i < n]
+        for real in _turns(len(rows), rank=rank, world_size=world_size, micro=micro):
             batch = _to(pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen), engine.device)
             loss = engine(**batch).loss.float()
             count = target_count(batch) if real else 0
@@ -59,6 +56,41 @@ def validate(
     engine.train()
     loss_sum, tokens = _all_reduce_sum([loss_sum, float(tokens)], engine.device)
     return loss_sum / max(tokens, 1.0), int(tokens)
+
+
+def validate_pairs(
+    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, objective: Objective
+) -> dict[str, float]:
+    """The mean preference loss over every pair of `rows`, with their accuracy and rewards (`described`)."""
+    sums = dict.fromkeys(("loss", *STATS), 0.0)
+    engine.eval()
+    with torch.no_grad():
+        for real in _turns(len(rows), rank=rank, world_size=world_size, micro=micro):
+            loss, stats = pair_loss(engine, [rows[i] for i in (real or [0])], pad_id=pad_id, objective=objective)
+            if real:
+                sums["loss"] += float(loss) * len(real)
+                sums.update({k: sums[k] + stats[k] for k in STATS})
+    engine.train()
+    totals = dict(zip(sums, _all_reduce_sum(list(sums.values()), engine.device), strict=True))
+    figures = {f"val_{k}": v for k, v in described(totals).items()}
+    return {"val_loss": totals["loss"] / max(totals["pairs"], 1.0), **figures}
+
+
+def _turns(n: int, *, rank: int, world_size: int, micro: int):
+    """This rank's micro-batches of row indices (empty where it has none left: it still runs a forward)."""
+    per_rank = math.ceil(n / world_size)
+    for start in range(0, per_rank, micro):
+        indices = [rank + world_size * i for i in range(start, min(start + micro, per_rank))]
+        yield [i for i in indices if i < n]
+
+
+def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Objective):
+    """One micro-batch's loss, its tokens and (preference objectives) its summed STATS."""
+    if objective.kind == "lm":
+        batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
+        return engine(**batch).loss, sum(len(row["input_ids"]) for row in rows), {}
+    loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective)
+    return loss, sum(len(row["input_ids"]) + len(row["rejected_input_ids"]) for row in rows), stats
 
 
 def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]:
@@ -98,6 +130,7 @@ def train(
     tokenizer_dir: Path,
     pad_id: int,
     varlen: bool,
+    objective: Objective,
     run_state: dict,
     saved: dict | None,
     reporting: Reporting,
@@ -122,29 +155,36 @@ def train(
             tick = time.perf_counter()
             batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
             loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
+            sums = dict.fromkeys(STATS if objective.kind != "lm" else (), 0.0)
             for index in range(accumulation):
                 indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
                 rows = [train_rows[i] for i in indices]
-                batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
-                loss = engine(**batch).loss
+                loss, row_tokens, stats = _forward(engine, rows, pad_id=pad_id, varlen=varlen, objective=objective)
                 engine.backward(loss)
                 engine.step()
                 loss_sum += float(loss.detach().float())
-                step_tokens += sum(len(row["input_ids"]) for row in rows)
-            loss_total, tokens_total = _all_reduce_sum([loss_sum, float(step_tokens)], engine.device)
+                step_tokens += row_tokens
+                sums.update({k: sums[k] + stats[k] for k in sums})
+            loss_total, tokens_total, *summed = _all_reduce_sum(
+                [loss_sum, float(step_tokens), *sums.values()], engine.device
+            )
             train_seconds += time.perf_counter() - tick
             tokens += tokens_total
             first = first or (tokens, train_seconds)
             last_loss = loss_total / (accumulation * world)
             record = {"step": step + 1, "loss": last_loss, "lr": lr}
+            if sums:
+                record |= described(dict(zip(sums, summed, strict=True)))
             history.train.append(record)
             done = step + 1 == schedule.max_steps
             if (step + 1) % schedule.eval_every == 0 or done:
                 subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
-                val_loss, _ = validate(
-                    engine, subset, rank=rank, world_size=world, micro=micro, pad_id=pad_id, varlen=varlen
-                )
-                entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+                turns = {"rank": rank, "world_size": world, "micro": micro, "pad_id": pad_id}
+                if objective.kind == "lm":
+                    val_loss, _ = validate(engine, subset, **turns, varlen=varlen)
+                    entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+                else:
+                    entry = {"step": step + 1, **validate_pairs(engine, subset, **turns, objective=objective)}
                 history.validation.append(entry)
                 record = {**record, **entry}
             throughput = tokens / max(train_seconds, 1e-9)

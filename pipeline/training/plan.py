@@ -20,6 +20,7 @@ from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_ta
 from pipeline.training import ds_config as dsc
 from pipeline.training import memory_estimate
 from pipeline.training.ds_config import Launch
+from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
 
 FILE = "plan.json"
@@ -85,6 +86,7 @@ class Plan:
     ds_config: dict
     run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
     pad_token_id: int
+    objective: Objective
     resume: Resume = Resume()
 
 
@@ -224,6 +226,7 @@ def make(
         ds_config=ds_config,
         run_state=state,
         pad_token_id=pad or 0,
+        objective=Objective(kind=train.objective, beta=train.beta, simpo_gamma=train.simpo_gamma),
     )
 
 

@@ -215,6 +215,7 @@ def run(plan: Plan) -> None:
             tokenizer_dir=plan.paths.tokenizer,
             pad_id=plan.pad_token_id,
             varlen=plan.launch.attention == FLASH,
+            objective=plan.objective,
             run_state=plan.run_state,
             saved=saved,
             reporting=report,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +52,21 @@ def train(
     if check and done.returncode:
         raise AssertionError(f"train exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     return done
+
+
+def killed_after_a_checkpoint(inputs: Path, base: Path, out: Path, overrides: list[str]) -> str:
+    """Start the train stage and SIGKILL its whole process group once a checkpoint exists; that checkpoint's tag."""
+    process = subprocess.Popen(
+        train_command(inputs, base, out, overrides), cwd=REPO, env=env(), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "latest").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return (out / "checkpoints" / "latest").read_text()
 
 
 def losses(out: Path) -> list[float]:

@@ -7,10 +7,8 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +26,7 @@ from tests.helpers.training import (
     TWO_RANKS,
     assert_same_training,
     env,
+    killed_after_a_checkpoint,
     losses,
     train,
     train_command,
@@ -106,17 +105,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
     whole = tmp_path / "whole"
     train(inputs, tiny_base_dir, whole, overrides)
     out = tmp_path / "killed"
-    process = subprocess.Popen(
-        train_command(inputs, tiny_base_dir, out, overrides), cwd=REPO, env=env(), start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (out / "checkpoints" / "latest").exists():
-        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    first = (out / "checkpoints" / "latest").read_text()
+    first = killed_after_a_checkpoint(inputs, tiny_base_dir, out, overrides)
     assert first in ("step_000003", "step_000006")
     rerun = train(inputs, tiny_base_dir, out, overrides)
     assert f"resuming from {out / 'checkpoints' / first}" in rerun.stdout
@@ -213,8 +202,6 @@ def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overri
 
 
 def _cpu_has_fp16() -> bool:
-    import os
-
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator
 

@@ -1,0 +1,59 @@
+"""Held-out preference pairs (`eval.preference_sets`): how often a model finds the chosen response likelier than the
+rejected one (`preference_accuracy`: the summed log-probabilities of the response tokens, the prompt masked, as
+training tokenizes it), by how much on average (`mean_margin`, nats), and for a tuned model how often its implicit
+DPO reward, its log-probability less the base's, ranks the chosen response first (`reward_accuracy`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def load_pairs(tokenizer, path: Path, *, template: str, max_seq_len: int, key: str) -> list[dict]:
+    """The pairs of a preference JSONL file as training rows (`input_ids`, `labels`, `rejected_input_ids`,
+    `rejected_labels`), tokenized and cut as cache_dataset does; a bad line is refused with `key`, file and line."""
+    from pipeline.data.dataset import preference_arrays
+    from pipeline.data.inputs import items
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{key}: {path} not found; expected a JSONL file of prompt/chosen/rejected rows")
+    arrays, _ = preference_arrays(
+        tokenizer, list(items(path, "preference")), template=template, max_seq_len=max_seq_len
+    )
+    bounds = np.cumsum(arrays["lengths"])[:-1]
+    ids, labels = np.split(arrays["ids"], bounds), np.split(arrays["labels"], bounds)
+    if not ids:
+        raise ValueError(f"{key}: {path} has no pair left after truncation at data.max_seq_len={max_seq_len}")
+    return [
+        {"input_ids": ids[k], "labels": labels[k], "rejected_input_ids": ids[k + 1], "rejected_labels": labels[k + 1]}
+        for k in range(0, len(ids), 2)
+    ]
+
+
+def pair_logps(model, pairs: list[dict], *, batch_size: int, pad_id: int) -> np.ndarray:
+    """[pairs, 2]: the chosen and the rejected response's summed log-probability under `model`."""
+    from pipeline.training.preference import pair_batch, sequence_logps
+
+    found = []
+    with torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            rows = pairs[start : start + batch_size]
+            batch = {k: v.to(model.device) for k, v in pair_batch(rows, pad_id).items()}
+            logps, _ = sequence_logps(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            found.append(logps.view(2, len(rows)).T.double().cpu().numpy())
+    return np.concatenate(found)
+
+
+def figures(logps: np.ndarray, base: np.ndarray | None = None) -> dict[str, float]:
+    """The pairs' figures from `pair_logps`; `base` (the base model's) adds the implicit reward's accuracy."""
+    margin = logps[:, 0] - logps[:, 1]
+    found = {
+        "pairs": len(logps),
+        "preference_accuracy": float((margin > 0).mean()),
+        "mean_margin": float(margin.mean()),
+    }
+    if base is not None:
+        found["reward_accuracy"] = float((margin - (base[:, 0] - base[:, 1]) > 0).mean())
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in found.items()}

@@ -1,0 +1,115 @@
+"""Preference objectives over pairs of responses to one prompt (`train.objective`: dpo, orpo, simpo), as LLaMA-Factory
+and TRL define them. A pair's rows carry the chosen response (`input_ids`, `labels`, the prompt labelled -100) and the
+rejected one (`rejected_input_ids`, `rejected_labels`); both run in one padded batch, chosen rows first.
+
+DPO's reference is the same model with the adapter disabled (PEFT's `disable_adapter`): no second model in memory,
+and the adapter merges afterwards exactly as after SFT. ORPO and SimPO need no reference: they use the responses'
+mean log-probabilities (per token), DPO their sums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipeline.data.batches import collate, shifted
+from pipeline.data.dataset import IGNORE_INDEX
+
+OBJECTIVES = ("lm", "dpo", "orpo", "simpo")
+STATS = ("pairs", "correct", "reward_chosen", "reward_rejected")  # summed over pairs, then over ranks
+
+
+@dataclass(frozen=True, kw_only=True)
+class Objective:
+    kind: str  # one of OBJECTIVES; lm: next-token loss on the rows as they are
+    beta: float  # DPO's and SimPO's reward scale; ORPO's weight of the odds-ratio term
+    simpo_gamma: float  # SimPO's target reward margin
+
+
+def pair_batch(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
+    """The chosen responses of `rows`, then their rejected ones, right-padded into one batch of 2 x len(rows)."""
+    chosen = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
+    rejected = [{"input_ids": r["rejected_input_ids"], "labels": r["rejected_labels"]} for r in rows]
+    return collate(chosen + rejected, pad_id)
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its labelled next tokens (fp32), and how many there are."""
+    targets = shifted(labels)
+    keep = targets != IGNORE_INDEX
+    logits = logits.float()
+    picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    token_logps = (picked - torch.logsumexp(logits, dim=-1)) * keep
+    return token_logps.sum(-1), keep.sum(-1)
+
+
+def model_logps(engine, batch: dict[str, torch.Tensor], *, reference: bool = False):
+    """`sequence_logps` of the model on `batch`; with `reference`, of the base (the adapter disabled, no gradient)."""
+    if not reference:
+        return sequence_logps(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+    with torch.no_grad(), engine.module.disable_adapter():
+        return sequence_logps(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+
+
+def pair_losses(
+    objective: Objective,
+    *,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    chosen_count: torch.Tensor,
+    rejected_count: torch.Tensor,
+    reference_chosen: torch.Tensor | None = None,
+    reference_rejected: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair: the loss, and the implicit rewards of the chosen and rejected responses (detached)."""
+    beta = objective.beta
+    if objective.kind == "dpo":
+        reward_c, reward_r = beta * (chosen - reference_chosen), beta * (rejected - reference_rejected)
+        losses = -F.logsigmoid(reward_c - reward_r)
+    elif objective.kind == "simpo":
+        reward_c, reward_r = beta * chosen / chosen_count, beta * rejected / rejected_count
+        losses = -F.logsigmoid(reward_c - reward_r - objective.simpo_gamma)
+    elif objective.kind == "orpo":
+        mean_c, mean_r = chosen / chosen_count, rejected / rejected_count
+        log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c)) - torch.log1p(-torch.exp(mean_r)))
+        losses = -mean_c - beta * F.logsigmoid(log_odds)
+        reward_c, reward_r = beta * mean_c, beta * mean_r
+    else:
+        raise ValueError(f"train.objective: {objective.kind!r} is not a preference objective; expected dpo|orpo|simpo")
+    return losses, reward_c.detach(), reward_r.detach()
+
+
+def pair_loss(engine, rows: list, *, pad_id: int, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mean loss of the pairs in `rows` (the policy and, for DPO, the reference on the same batch), and STATS."""
+    batch = pair_batch(rows, pad_id)
+    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    n = len(rows)
+    logps, counts = model_logps(engine, batch)
+    reference = {}
+    if objective.kind == "dpo":
+        ref, _ = model_logps(engine, batch, reference=True)
+        reference = {"reference_chosen": ref[:n], "reference_rejected": ref[n:]}
+    losses, reward_c, reward_r = pair_losses(
+        objective, chosen=logps[:n], rejected=logps[n:], chosen_count=counts[:n], rejected_count=counts[n:],
+        **reference,
+    )  # fmt: skip
+    stats = {
+        "pairs": float(n),
+        "correct": float((reward_c > reward_r).sum()),
+        "reward_chosen": float(reward_c.sum()),
+        "reward_rejected": float(reward_r.sum()),
+    }
+    return losses.mean(), stats
+
+
+def described(sums: dict[str, float]) -> dict[str, float]:
+    """Summed STATS as the curve shows them: preference accuracy, mean rewards and their margin."""
+    pairs = max(sums["pairs"], 1.0)
+    chosen, rejected = sums["reward_chosen"] / pairs, sums["reward_rejected"] / pairs
+    return {
+        "preference_accuracy": sums["correct"] / pairs,
+        "reward_chosen": chosen,
+        "reward_rejected": rejected,
+        "reward_margin": chosen - rejected,
+    }

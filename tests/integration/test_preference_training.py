@@ -1,0 +1,109 @@
+"""DPO (and SimPO) through the real stages: pairs cached by cache_dataset, trained by DeepSpeed ranks with the
+reference as the base with the adapter disabled; 2 ranks = 1 rank, and a run killed after a checkpoint and rerun
+equals the uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from tests.conftest import REPO
+from tests.helpers.training import (
+    ONE_RANK,
+    TINY,
+    TWO_RANKS,
+    assert_same_training,
+    env,
+    killed_after_a_checkpoint,
+    losses,
+    train,
+)
+
+pytestmark = pytest.mark.integration
+PAIRS = 40
+DPO = ["data.format=preference", "train.objective=dpo", "train.beta=0.5", "data.max_seq_len=48",
+       "data.prompt_template='{instruction}:'", "train.lr=2e-3"]  # fmt: skip
+
+
+def pairs_file(path: Path, paragraphs: list[str]) -> Path:
+    """Prompt: a paragraph's start; both responses how it goes on, the chosen one opened by 好 and the rejected one by
+    坏: a preference a model can learn from a few pairs and show on held-out ones."""
+    rows = []
+    for text in paragraphs[:PAIRS]:
+        rows.append({"prompt": text[:12], "chosen": "好" + text[12:24], "rejected": "坏" + text[12:24]})
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def pref_inputs(tmp_path_factory, inputs, tiny_base_dir, peoples_daily) -> Path:
+    """The tiny run's tokenizer and a preference dataset made by the cache_dataset stage."""
+    root = tmp_path_factory.mktemp("pref_inputs")
+    (root / "tokenizer").symlink_to(inputs / "tokenizer")
+    source = pairs_file(root / "pairs.jsonl", [p for p in peoples_daily if len(p) > 40])
+    raw = config.compose(REPO / "conf", ["tracking.uri=", *DPO, f"data.train_file={source}",
+                                         f"data.heldout_file={source}", "data.validation_fraction=0.1"])  # fmt: skip
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    subprocess.run([
+        sys.executable, "-m", "stages.cache_dataset", "--params", str(root / "params.yaml"),
+        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(tiny_base_dir / "config.json"),
+        "--out", str(root / "dataset"), "--metrics", str(root / "dataset.json"),
+        "--run-id-file", str(root / "run.json"),
+    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
+    return root
+
+
+@pytest.fixture(scope="module")
+def dpo_one_rank(tmp_path_factory, pref_inputs, tiny_base_dir) -> Path:
+    out = tmp_path_factory.mktemp("dpo_one_rank")
+    train(pref_inputs, tiny_base_dir, out, [*TINY, *DPO, *ONE_RANK, "deepspeed=zero2"])
+    return out
+
+
+def test_the_pairs_are_cached_with_the_prompt_masked(pref_inputs):
+    figures = read_json(pref_inputs / "dataset.json")
+    kept = PAIRS - 2  # data.heldout_fraction (0.05) of the file's rows are held out for the evaluate stage
+    assert figures["pairs"] == kept and figures["train_rows"] + figures["validation_rows"] == kept
+    from pipeline.data.dataset import SplitRows
+
+    row = SplitRows(pref_inputs / "dataset" / "train")[0]
+    assert set(row) == {"input_ids", "labels", "rejected_input_ids", "rejected_labels"}
+    prompt = int((row["labels"] == -100).sum())
+    assert prompt > 0 and (row["rejected_labels"][:prompt] == -100).all()
+    assert (row["input_ids"][:prompt] == row["rejected_input_ids"][:prompt]).all()
+
+
+def test_dpo_learns_to_prefer_the_chosen_responses(dpo_one_rank):
+    metrics = read_json(dpo_one_rank / "metrics.json")
+    curve = (dpo_one_rank / "curve.csv").read_text().splitlines()
+    assert "preference_accuracy" in curve[0] and "reward_margin" in curve[0] and "val_preference_accuracy" in curve[0]
+    first, *later = losses(dpo_one_rank)
+    assert abs(first - 0.6931) < 1e-3, "step 1: the adapter starts at B = 0, so the policy is the reference: log 2"
+    assert sum(later[-3:]) / 3 < first and metrics["val_reward_margin"] > 0 and metrics["val_preference_accuracy"] > 0.5
+    run = read_json(dpo_one_rank / "checkpoints" / "plan.json")
+    assert run["objective"] == {"kind": "dpo", "beta": 0.5, "simpo_gamma": 0.5}
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_ranks_train_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_dir, dpo_one_rank, zero):
+    train(pref_inputs, tiny_base_dir, tmp_path, [*TINY, *DPO, *TWO_RANKS, f"deepspeed={zero}"])
+    assert_same_training(tmp_path, dpo_one_rank, atol=1e-5)
+
+
+def test_a_killed_dpo_run_resumes_as_if_uninterrupted(tmp_path, pref_inputs, tiny_base_dir):
+    overrides = [*TINY, *DPO, *TWO_RANKS, "deepspeed=zero2", "train.objective=simpo"]
+    whole = tmp_path / "whole"
+    train(pref_inputs, tiny_base_dir, whole, overrides)
+    out = tmp_path / "killed"
+    first = killed_after_a_checkpoint(pref_inputs, tiny_base_dir, out, overrides)
+    rerun = train(pref_inputs, tiny_base_dir, out, overrides)
+    assert f"resuming from {out / 'checkpoints' / first}" in rerun.stdout
+    assert read_json(out / "metrics.json")["resumed_from_step"] == int(first.removeprefix("step_"))
+    assert_same_training(out, whole, atol=1e-6)

@@ -1,0 +1,131 @@
+"""The preference objectives against formulas written here from per-token log-probabilities, on a tiny LLaMA with a
+LoRA adapter whose B is not zero; the reference (the adapter disabled) against the base model loaded on its own."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.training.preference import Objective, model_logps, pair_batch, pair_loss
+
+PAD = 0
+
+
+class Engine:
+    """What the objectives call of DeepSpeed's engine: the forward, the PEFT module and its device."""
+
+    def __init__(self, module):
+        self.module, self.device = module, torch.device("cpu")
+
+    def __call__(self, **batch):
+        return self.module(**batch)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_base_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return Engine(get_peft_model(base, config).eval())
+
+
+def row(prompt: list[int], chosen: list[int], rejected: list[int]) -> dict:
+    masked = [IGNORE_INDEX] * len(prompt)
+    return {
+        "input_ids": prompt + chosen, "labels": masked + chosen,
+        "rejected_input_ids": prompt + rejected, "rejected_labels": masked + rejected,
+    }  # fmt: skip
+
+
+ROWS = [row([5, 17, 99, 3], [41, 42, 2], [77, 2]), row([8, 9], [300, 301, 302, 2], [12, 13, 14, 15, 16, 2])]
+
+
+def response_logps(model, ids: list[int], labels: list[int]) -> tuple[float, int]:
+    """log p(response | prompt) as a sum over the response's tokens, one sequence alone (no padding)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    total, count = 0.0, 0
+    for t in range(len(ids) - 1):
+        if labels[t + 1] != IGNORE_INDEX:
+            total += float(torch.log_softmax(logits[t], dim=-1)[ids[t + 1]])
+            count += 1
+    return total, count
+
+
+def by_hand(engine, rows):
+    """Per pair: (chosen sum, chosen tokens, rejected sum, rejected tokens) under the adapter and under the base."""
+    policy, reference = [], []
+    for r in rows:
+        sides = [(r["input_ids"], r["labels"]), (r["rejected_input_ids"], r["rejected_labels"])]
+        policy.append([x for ids, labels in sides for x in response_logps(engine.module, ids, labels)])
+        with engine.module.disable_adapter():
+            reference.append([x for ids, labels in sides for x in response_logps(engine.module, ids, labels)])
+    return policy, reference
+
+
+def log_sigmoid(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+def test_dpo_is_the_formula_from_policy_and_reference_log_probabilities(engine):
+    beta = 0.3
+    loss, stats = pair_loss(engine, ROWS, pad_id=PAD, objective=Objective(kind="dpo", beta=beta, simpo_gamma=0.0))
+    policy, reference = by_hand(engine, ROWS)
+    losses, rewards = [], []
+    for (pc, _, pr, _), (rc, _, rr, _) in zip(policy, reference, strict=True):
+        chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+        losses.append(-log_sigmoid(chosen - rejected))
+        rewards.append((chosen, rejected))
+    assert float(loss.detach()) == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    assert stats["reward_chosen"] == pytest.approx(sum(c for c, _ in rewards), abs=1e-5)
+    assert stats["correct"] == sum(c > r for c, r in rewards) and stats["pairs"] == 2
+    assert any(abs(pc - rc) > 1e-3 for (pc, *_), (rc, *_) in zip(policy, reference, strict=True)), "adapter acts"
+
+
+def test_simpo_is_the_formula_from_mean_log_probabilities(engine):
+    beta, gamma = 2.0, 0.5
+    objective = Objective(kind="simpo", beta=beta, simpo_gamma=gamma)
+    loss, _ = pair_loss(engine, ROWS, pad_id=PAD, objective=objective)
+    policy, _ = by_hand(engine, ROWS)
+    expected = [-log_sigmoid(beta * pc / nc - beta * pr / nr - gamma) for pc, nc, pr, nr in policy]
+    assert float(loss.detach()) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_orpo_is_the_chosen_nll_plus_the_weighted_odds_ratio_term(engine):
+    beta = 0.1
+    loss, _ = pair_loss(engine, ROWS, pad_id=PAD, objective=Objective(kind="orpo", beta=beta, simpo_gamma=0.0))
+    policy, _ = by_hand(engine, ROWS)
+    expected = []
+    for pc, nc, pr, nr in policy:
+        mean_c, mean_r = pc / nc, pr / nr
+        log_odds = (mean_c - mean_r) - (math.log1p(-math.exp(mean_c)) - math.log1p(-math.exp(mean_r)))
+        expected.append(-mean_c - beta * log_sigmoid(log_odds))
+    assert float(loss.detach()) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+def test_the_reference_is_the_base_model_loaded_on_its_own(engine, tiny_base_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32).eval()
+    batch = pair_batch(ROWS, PAD)
+    reference, counts = model_logps(engine, batch, reference=True)
+    alone, adapted = model_logps(Engine(base), batch), model_logps(engine, batch)
+    torch.testing.assert_close(reference, alone[0], rtol=0, atol=1e-5)
+    assert counts.tolist() == [3, 4, 2, 6]
+    assert not torch.allclose(reference, adapted[0], atol=1e-3), "with the adapter enabled the figures differ"
+
+
+def test_dpo_gradients_reach_the_adapter_and_not_the_reference(engine):
+    engine.module.zero_grad()
+    loss, _ = pair_loss(engine, ROWS, pad_id=PAD, objective=Objective(kind="dpo", beta=0.1, simpo_gamma=0.0))
+    loss.backward()
+    grads = [p.grad for n, p in engine.module.named_parameters() if "lora_" in n]
+    assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
+    assert all(p.grad is None for n, p in engine.module.named_parameters() if "lora_" not in n)
+    engine.module.zero_grad()
