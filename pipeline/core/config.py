@@ -164,6 +164,7 @@ class TrainConfig(Section):
     objective: Literal["lm", "dpo", "orpo", "simpo"]
     beta: float = Field(gt=0.0)
     simpo_gamma: float = Field(ge=0.0)
+    reference: Literal["step", "precomputed"]
     eval_every: int = PositiveInt
     eval_max_rows: int = Field(ge=0)
     save_every: int = PositiveInt

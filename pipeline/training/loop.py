@@ -15,7 +15,7 @@ from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import pack, target_count
 from pipeline.training import figures
-from pipeline.training.preference import STATS, Objective, described, pair_loss
+from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
 
@@ -84,12 +84,13 @@ def _turns(n: int, *, rank: int, world_size: int, micro: int):
         yield [i for i in indices if i < n]
 
 
-def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Objective):
-    """One micro-batch's loss, its tokens and (preference objectives) its summed STATS."""
+def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Objective, reference=None):
+    """One micro-batch's loss, its tokens and (preference objectives) its summed STATS; `reference`: DPO's
+    precomputed reference of these rows, if any."""
     if objective.kind == "lm":
         batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
         return engine(**batch).loss, sum(len(row["input_ids"]) for row in rows), {}
-    loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective)
+    loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective, reference=reference)
     return loss, sum(len(row["input_ids"]) + len(row["rejected_input_ids"]) for row in rows), stats
 
 
@@ -149,6 +150,14 @@ def train(
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
         wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
     begin, first = time.perf_counter(), None  # first: (tokens, seconds) after this segment's first step (warm-up)
+    reference = None
+    if objective.kind == "dpo" and objective.reference == "precomputed":
+        order = (global_batch(s, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed) for s in
+                 range(start, schedule.max_steps))  # fmt: skip
+        needed = sorted({int(i) for batch in order for i in batch})
+        reference = precomputed_reference(
+            engine, train_rows, needed, rank=rank, world_size=world, micro=micro, pad_id=pad_id
+        )
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     with profiled_steps(rank=rank) as profile_step:
         for step in range(start, schedule.max_steps):
@@ -159,7 +168,10 @@ def train(
             for index in range(accumulation):
                 indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
                 rows = [train_rows[i] for i in indices]
-                loss, row_tokens, stats = _forward(engine, rows, pad_id=pad_id, varlen=varlen, objective=objective)
+                known = None if reference is None else torch.stack([reference[i] for i in indices])
+                loss, row_tokens, stats = _forward(
+                    engine, rows, pad_id=pad_id, varlen=varlen, objective=objective, reference=known
+                )
                 engine.backward(loss)
                 engine.step()
                 loss_sum += float(loss.detach().float())

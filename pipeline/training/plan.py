@@ -226,7 +226,9 @@ def make(
         ds_config=ds_config,
         run_state=state,
         pad_token_id=pad or 0,
-        objective=Objective(kind=train.objective, beta=train.beta, simpo_gamma=train.simpo_gamma),
+        objective=Objective(
+            kind=train.objective, beta=train.beta, simpo_gamma=train.simpo_gamma, reference=train.reference
+        ),
     )
 
 

@@ -3,8 +3,10 @@ and TRL define them. A pair's rows carry the chosen response (`input_ids`, `labe
 rejected one (`rejected_input_ids`, `rejected_labels`); both run in one padded batch, chosen rows first.
 
 DPO's reference is the same model with the adapter disabled (PEFT's `disable_adapter`): no second model in memory,
-and the adapter merges afterwards exactly as after SFT. ORPO and SimPO need no reference: they use the responses'
-mean log-probabilities (per token), DPO their sums."""
+and the adapter merges afterwards exactly as after SFT. It is computed in each step (`train.reference: step`), or
+once before the first step for every pair the run will train on (`precomputed`: one forward less per step; the
+reference never changes, since the adapter is disabled in it and the base is frozen). ORPO and SimPO need no
+reference: they use the responses' mean log-probabilities (per token), DPO their sums."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class Objective:
     kind: str  # one of OBJECTIVES; lm: next-token loss on the rows as they are
     beta: float  # DPO's and SimPO's reward scale; ORPO's weight of the odds-ratio term
     simpo_gamma: float  # SimPO's target reward margin
+    reference: str = "step"  # DPO: step (computed in each step) | precomputed (once, before the first step)
 
 
 def pair_batch(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
@@ -80,16 +83,23 @@ def pair_losses(
     return losses, reward_c.detach(), reward_r.detach()
 
 
-def pair_loss(engine, rows: list, *, pad_id: int, objective: Objective) -> tuple[torch.Tensor, dict[str, float]]:
-    """The mean loss of the pairs in `rows` (the policy and, for DPO, the reference on the same batch), and STATS."""
+def pair_loss(
+    engine, rows: list, *, pad_id: int, objective: Objective, reference: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The mean loss of the pairs in `rows`, and STATS. DPO's reference: `reference` ([pairs, 2]: chosen, rejected)
+    where precomputed, else computed on the same batch."""
     batch = pair_batch(rows, pad_id)
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     n = len(rows)
     logps, counts = model_logps(engine, batch)
-    reference = {}
     if objective.kind == "dpo":
-        ref, _ = model_logps(engine, batch, reference=True)
-        reference = {"reference_chosen": ref[:n], "reference_rejected": ref[n:]}
+        if reference is None:
+            ref, _ = model_logps(engine, batch, reference=True)
+            reference = torch.stack([ref[:n], ref[n:]], dim=1)
+        reference = reference.to(device=logps.device, dtype=logps.dtype)
+        reference = {"reference_chosen": reference[:, 0], "reference_rejected": reference[:, 1]}
+    else:
+        reference = {}
     losses, reward_c, reward_r = pair_losses(
         objective, chosen=logps[:n], rejected=logps[n:], chosen_count=counts[:n], rejected_count=counts[n:],
         **reference,
@@ -101,6 +111,27 @@ def pair_loss(engine, rows: list, *, pad_id: int, objective: Objective) -> tuple
         "reward_rejected": float(reward_r.sum()),
     }
     return losses.mean(), stats
+
+
+def precomputed_reference(
+    engine, rows, indices: list[int], *, rank: int, world_size: int, micro: int, pad_id: int
+) -> dict[int, torch.Tensor]:
+    """DPO's reference log-probabilities ([2]: chosen, rejected) of the pairs at `indices`, every rank computing
+    every world_size-th micro-batch of them and all ranks receiving all (one all-reduce)."""
+    import deepspeed.comm as dist
+
+    table = torch.zeros(len(indices), 2, dtype=torch.float64, device=engine.device)
+    mine = list(range(rank * micro, len(indices), world_size * micro))
+    engine.eval()
+    with torch.no_grad():
+        for start in mine:
+            positions = list(range(start, min(start + micro, len(indices))))
+            batch = pair_batch([rows[indices[p]] for p in positions], pad_id)
+            ref, _ = model_logps(engine, {k: v.to(engine.device) for k, v in batch.items()}, reference=True)
+            table[positions] = torch.stack([ref[: len(positions)], ref[len(positions) :]], dim=1).double()
+    engine.train()
+    dist.all_reduce(table)
+    return {index: table[k].cpu() for k, index in enumerate(indices)}
 
 
 def described(sums: dict[str, float]) -> dict[str, float]:

@@ -88,12 +88,25 @@ def test_dpo_learns_to_prefer_the_chosen_responses(dpo_one_rank):
     assert abs(first - 0.6931) < 1e-3, "step 1: the adapter starts at B = 0, so the policy is the reference: log 2"
     assert sum(later[-3:]) / 3 < first and metrics["val_reward_margin"] > 0 and metrics["val_preference_accuracy"] > 0.5
     run = read_json(dpo_one_rank / "checkpoints" / "plan.json")
-    assert run["objective"] == {"kind": "dpo", "beta": 0.5, "simpo_gamma": 0.5}
+    assert run["objective"] == {"kind": "dpo", "beta": 0.5, "simpo_gamma": 0.5, "reference": "step"}
 
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_two_ranks_train_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_dir, dpo_one_rank, zero):
     train(pref_inputs, tiny_base_dir, tmp_path, [*TINY, *DPO, *TWO_RANKS, f"deepspeed={zero}"])
+    assert_same_training(tmp_path, dpo_one_rank, atol=1e-5)
+
+
+def test_a_precomputed_reference_trains_as_the_reference_of_each_step(
+    tmp_path, pref_inputs, tiny_base_dir, dpo_one_rank
+):
+    """train.reference=precomputed: computed once for every pair the run trains on, split over both ranks."""
+    train(
+        pref_inputs,
+        tiny_base_dir,
+        tmp_path,
+        [*TINY, *DPO, *TWO_RANKS, "deepspeed=zero2", "train.reference=precomputed"],
+    )
     assert_same_training(tmp_path, dpo_one_rank, atol=1e-5)
 
 
