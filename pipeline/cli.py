@@ -111,6 +111,10 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+TRUST_HELP = (
+    "unpickle the checkpoint's files whatever they name (your own files only: a pickle from elsewhere can run code); "
+    "off: anything outside the allowlist of docs/checkpoints.md is refused"
+)
 
 
 def stage_defaults(group: str, choice: str = "default") -> dict:
@@ -194,6 +198,7 @@ def parser() -> argparse.ArgumentParser:
     consolidate.add_argument("--tag", help="checkpoint tag (default: the one `latest` names)")
     consolidate.add_argument("--adapter-config", type=Path, help="adapter_config.json (default: the checkpoint's)")
     consolidate.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="output dtype")
+    consolidate.add_argument("--trust-pickles", action="store_true", help=TRUST_HELP)
     consolidate.set_defaults(handler=_consolidate)
     convert = commands.add_parser("convert", help="checkpoint layouts: ZeRO 1-3 <-> DeepSpeed's universal layout")
     convert.add_argument(
@@ -207,6 +212,7 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--zero-stage", type=int, choices=(1, 2, 3), help="--to zero: its ZeRO stage")
     convert.add_argument("--base", type=Path, help="--to zero: the base model folder (the engine is rebuilt)")
     convert.add_argument("--master-port", type=int, help="--to zero: port of the CPU ranks (default: a free one)")
+    convert.add_argument("--trust-pickles", action="store_true", help=TRUST_HELP)
     convert.set_defaults(handler=_convert)
     merge = commands.add_parser("merge", help="fold a LoRA adapter into its base and verify the logits")
     merge.add_argument("--base", type=Path, required=True, help="base HF model folder")
@@ -264,6 +270,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from pipeline.checkpoints.safe_pickle import TRUSTED
+
     quiet_third_parties()
     args = parser().parse_args(argv)
+    TRUSTED.set(getattr(args, "trust_pickles", False))
     guarded(lambda: args.handler(args))

@@ -10,16 +10,15 @@ when the engine ran in bf16)."""
 from __future__ import annotations
 
 import json
-import pickle
 import re
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pipeline.checkpoints.mapped import is_legacy, torch_load
+from pipeline.checkpoints import safe_pickle
+from pipeline.checkpoints.mapped import is_legacy
 
 SHARD = re.compile(
     r"^(?P<bf16>bf16_)?(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_(?P<kind>model|optim)_states\.pt$"
@@ -30,33 +29,14 @@ NVME = "offloaded_tensors"  # ZeRO-3 with offload_optimizer.device=nvme keeps pa
 Lazy = tuple[torch.Size, Callable[[], torch.Tensor]]  # a tensor's shape, and how to read it when it is written
 
 
-class _Opaque:
-    """Stands in for a DeepSpeed object inside a checkpoint (a loss scaler...): not needed, not imported."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def __setstate__(self, state: object) -> None:
-        self.__dict__.update(state if isinstance(state, dict) else {})
-
-
-class _Unpickler(pickle.Unpickler):
-    """Unpickles checkpoints without importing DeepSpeed (a heavy import): its enums become ints."""
-
-    def find_class(self, module: str, name: str):
-        if module.split(".")[0] == "deepspeed":
-            return int if name.endswith("Enum") else _Opaque
-        return super().find_class(module, name)
-
-
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pipeline_zero_checkpoint_pickle")
-
-
 def load(path: Path) -> dict:
-    """A shard, memory-mapped (files saved with DeepSpeed's `"checkpoint": {"checkpoint_serialization": false}` are
-    in torch's legacy format, which cannot be mapped: those are read whole)."""
+    """A shard through the checkpoint allowlist (`safe_pickle`), memory-mapped (files saved with DeepSpeed's
+    `"checkpoint": {"checkpoint_serialization": false}` are in torch's legacy format, which cannot be mapped: those
+    are read whole)."""
     try:
-        return torch_load(path, weights_only=False, pickle_module=_PICKLE)
+        return safe_pickle.load(path, trust=safe_pickle.TRUSTED.get())
+    except safe_pickle.UnsafePickle:
+        raise
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
         raise ValueError(f"{path}: cannot be read as a DeepSpeed shard (truncated or corrupted?): {err}") from err
 

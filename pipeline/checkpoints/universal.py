@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.zero_shards import MOMENTS, optimizer_state
 from pipeline.core.atomic import atomic_path
 
@@ -150,7 +151,7 @@ def load_universal(engine, folder: Path) -> dict:
         if "step" in state:
             old = state["step"]
             state["step"] = torch.full_like(old, step) if torch.is_tensor(old) else step
-    model_state = torch.load(next(folder.glob("*model_states.pt")), map_location="cpu", weights_only=False)
+    model_state = safe_pickle.load(next(folder.glob("*model_states.pt")))
     if engine.lr_scheduler is not None and model_state.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr(), strict=True):

@@ -8,9 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
-from pipeline.checkpoints import folder
+from pipeline.checkpoints import folder, safe_pickle
 from pipeline.checkpoints.universal import ensure_universal, load_universal
 from pipeline.core.atomic import read_json
 from pipeline.training.plan import Resume
@@ -52,6 +50,8 @@ def prepare(*, directory: Path, state: dict, resume_from: Path | None, convert: 
             raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
         saved, source = folder.read_state(resume_from, tag), resume_from / tag
     if source is not None:
+        for pickled in sorted(source.glob("*.pt")):  # before DeepSpeed's loader or a conversion reads any of them
+            safe_pickle.scan(pickled)
         folder.check_same_model(saved, source.parent, state["identity"])
         folder.check_same_rates(saved, source.parent, state["variant"]["lr_ratio"])
     directory.mkdir(parents=True, exist_ok=True)
@@ -99,5 +99,5 @@ def load(*, engine, resume: Resume, seed: int) -> dict | None:
     if resume.source is None or (tag := folder.latest_tag(resume.source)) is None:
         return None
     engine.load_checkpoint(str(resume.source), tag=tag, load_module_strict=False)
-    folder.set_rng_state(torch.load(folder.rng_file(resume.source, tag, rank), weights_only=False))
+    folder.set_rng_state(safe_pickle.load(folder.rng_file(resume.source, tag, rank)))
     return folder.read_state(resume.source, tag)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoints import adapter as adapter_format
-from pipeline.checkpoints import folder
+from pipeline.checkpoints import folder, safe_pickle
 from pipeline.checkpoints.universal import MANIFEST, is_universal, load_universal, refuse_existing
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.environment import free_port, with_venv_path
@@ -83,7 +83,7 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     state = read_json(universal / folder.STATE)
     adapter = read_json(universal / adapter_format.CONFIG)
-    source = torch.load(next(universal.glob("*model_states.pt")), map_location="cpu", weights_only=False)["ds_config"]
+    source = safe_pickle.load(next(universal.glob("*model_states.pt")))["ds_config"]
     identity = state["identity"]
     lora = LoraSpec(
         r=identity["lora_r"],
