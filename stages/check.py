@@ -62,12 +62,16 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
+    from pipeline.model.base_import import custom_code
+
     errors, warnings = config.ineffective(cfg, config.validate(config.compose(args.conf), "conf/"))
     model = cfg.model.path
     try:
         source = assets.resolve(model)
         if not source.exists():
             errors.append(f"model.path: {model} does not exist; expected a .gguf file or an HF model folder")
+        elif source.is_dir() and (source / "config.json").is_file() and (reason := custom_code(source)):
+            errors.append(reason)
         else:
             errors += training_errors(cfg, source)
     except FileNotFoundError as err:

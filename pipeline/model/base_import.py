@@ -24,6 +24,8 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
     if source.suffix == ".gguf":
         model, tokenizer = _load_gguf(source)
     elif (source / "config.json").is_file():
+        if reason := custom_code(source):
+            raise ValueError(reason)
         model, tokenizer = None, load_tokenizer(source)
     else:
         raise ValueError(f"model.path: {source} is neither a .gguf file nor a folder with config.json")
@@ -45,6 +47,26 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
         "tokenizer_size": len(tokenizer),
         "max_position_embeddings": config.max_position_embeddings,
     }
+
+
+def custom_code(folder: Path) -> str | None:
+    """Why the model folder could only load by running Python files of its own (its config's `auto_map`, for a
+    model type transformers does not implement), else None. We never pass trust_remote_code: where the type is one
+    transformers implements, its own code is used and the `auto_map` is ignored."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    mapped = config.get("auto_map")
+    if not mapped or config.get("model_type") in CONFIG_MAPPING:
+        return None
+    code = sorted({str(v) for v in mapped.values()}) if isinstance(mapped, dict) else [str(mapped)]
+    return (
+        f"model.path: {folder / 'config.json'} maps the model to code of its own ({', '.join(code)}), which this "
+        f"project never runs (no trust_remote_code); expected a model type transformers implements, got "
+        f"{config.get('model_type')!r}"
+    )
 
 
 def tiny_llama_config(*, vocab_size: int, **overrides):

@@ -41,3 +41,29 @@ def test_a_base_without_an_outline_or_changed_since_is_outlined_from_its_archite
     assert len(layers.linear) == 8 and not any(".1." in name for name in layers.modules)
     (base / outline.FILE).write_text("{not json")
     assert outline.read(base) == layers
+
+
+def test_a_model_folder_mapped_to_its_own_code_is_refused(tmp_path, tiny_base_dir):
+    """auto_map to a Python file for a type transformers does not implement: refused with a message (we never pass
+    trust_remote_code); a type it implements keeps its auto_map ignored."""
+    import shutil
+
+    import pytest
+
+    from pipeline.model.base_import import custom_code
+
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_base_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "modeling_custom.py").write_text("raise SystemExit('executed')\n")
+    mapped = {**config, "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(mapped))
+    assert custom_code(folder) is None, "a llama: transformers' own code, the auto_map ignored"
+    (folder / "config.json").write_text(json.dumps({**mapped, "model_type": "custom_llm"}))
+    message = custom_code(folder)
+    assert "maps the model to code of its own (modeling_custom.CustomForCausalLM)" in message
+    assert "never runs (no trust_remote_code)" in message and "'custom_llm'" in message
+    with pytest.raises(ValueError, match="code of its own"):
+        import_base(source=folder, out_dir=tmp_path / "out", tokenizer_dir=tmp_path / "tok", dtype="auto",
+                    max_shard_size="1GB")  # fmt: skip
+    assert not (tmp_path / "out").exists()
