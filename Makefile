@@ -70,6 +70,7 @@ bench: run ## benchmarks against the tools users would otherwise use (each --smo
 	python -m bench.cache_dataset
 	python -m bench.noop_repro
 	python -m bench.train
+	python -m bench.preference
 	python -m bench.consolidate
 	python -m bench.merge
 	python -m bench.evaluate

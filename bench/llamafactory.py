@@ -1,6 +1,6 @@
-"""LLaMA-Factory, the peer of bench/train.py, run as its users run it: `llamafactory-cli train cfg.yaml` with
-FORCE_TORCHRUN=1 (torchrun: one OpenMP thread per rank), HF Trainer + DeepSpeed + PEFT underneath, in its own
-virtual environment built here from the package registry (pinned)."""
+"""LLaMA-Factory, the peer of bench/train.py and bench/preference.py, run as its users run it: `llamafactory-cli
+train cfg.yaml` with FORCE_TORCHRUN=1 (torchrun: one OpenMP thread per rank), HF Trainer + DeepSpeed + PEFT
+underneath, in its own virtual environment built here from the package registry (pinned)."""
 
 from __future__ import annotations
 
@@ -84,24 +84,45 @@ def write_data(folder: Path, *, text_lines: list[str], chats: list[str]) -> Path
     return folder
 
 
+def write_pairs(folder: Path, pairs: list[dict], *, system: str) -> Path:
+    """Its dataset folder for DPO: `pairs`, a ranking dataset of {"prompt", "chosen", "rejected"} rows in the order
+    given, each with `system` as its system turn (what its template renders before the prompt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = (json.dumps({**p, "system": system}, ensure_ascii=False) + "\n" for p in pairs)
+    (folder / "pairs.jsonl").write_text("".join(rows))
+    columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system"}
+    info = {"pairs": {"file_name": "pairs.jsonl", "ranking": True, "columns": columns}}
+    (folder / "dataset_info.json").write_text(json.dumps(info, indent=1))
+    return folder
+
+
+STAGES = {"text": ("pt", "corpus"), "chat": ("sft", "chat"), "pairs": ("dpo", "pairs")}  # kind: (stage, dataset)
+
+
 def config(*, base: Path, data: Path, kind: str, precision: str, steps: int, micro: int, block: int, lr: float,
-           work: Path, tokenized: Path) -> dict:  # fmt: skip
+           work: Path, tokenized: Path, warmup_steps: int = 2, beta: float = 0.1) -> dict:  # fmt: skip
     """`llamafactory-cli train` options for LoRA r=8 on q_proj,v_proj, everything not named at its defaults
-    (gradient checkpointing on, lora_dropout 0, HF's AdamW), loading the data `tokenize_once` saved."""
+    (gradient checkpointing on, lora_dropout 0, HF's AdamW), loading the data `tokenize_once` saved. `kind`: text
+    (pretraining), chat (SFT) or pairs (DPO, `beta`, the sigmoid loss, the reference = the adapter disabled, its
+    pairs in the order written: `block` is then each side's cutoff)."""
     (work / "ds_z2.json").write_text(json.dumps(ZERO2))
+    stage, dataset = STAGES[kind]
     options = {
-        "model_name_or_path": str(base.resolve()), "stage": "pt" if kind == "text" else "sft", "do_train": True,
+        "model_name_or_path": str(base.resolve()), "stage": stage, "do_train": True,
         "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_target": "q_proj,v_proj",
-        "dataset": "corpus" if kind == "text" else "chat", "dataset_dir": str(data.resolve()),
+        "dataset": dataset, "dataset_dir": str(data.resolve()),
         "cutoff_len": block, "tokenized_path": str(tokenized.resolve()),
         "output_dir": str((work / "out").resolve()), "overwrite_output_dir": True,
         "per_device_train_batch_size": micro, "gradient_accumulation_steps": 1, "max_steps": steps,
-        "learning_rate": lr, "lr_scheduler_type": "cosine", "warmup_steps": 2, "logging_steps": 1,
+        "learning_rate": lr, "lr_scheduler_type": "cosine", "warmup_steps": warmup_steps, "logging_steps": 1,
         "use_cpu": True, "deepspeed": str((work / "ds_z2.json").resolve()), "report_to": "none",
         "include_num_input_tokens_seen": "non_padding", "seed": 42,
     }  # fmt: skip
-    if kind == "chat":
+    if kind in ("chat", "pairs"):
         options["template"] = "smollm2"  # ChatML with SmolLM2's default system turn, as its chat template
+    if kind == "pairs":
+        # disable_shuffling: it takes the pairs in the file's order (the sampler only; its speed is unchanged)
+        options.update(pref_beta=beta, pref_loss="sigmoid", disable_shuffling=True)
     if precision == "bf16":
         options["bf16"] = True
     return options
@@ -140,6 +161,23 @@ def loop_figures(work: Path) -> tuple[float, int]:
     `num_input_tokens_seen` (HF Trainer's count) of its train_results.json."""
     figures = json.loads((work / "out" / "train_results.json").read_text())
     return figures["train_runtime"], figures["num_input_tokens_seen"]
+
+
+def step_losses(work: Path) -> list[float]:
+    """The training loss of each step (logging_steps 1: the mean over ranks), from its trainer_state.json."""
+    state = json.loads((work / "out" / "trainer_state.json").read_text())
+    return [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+
+def tokenized_rows(tokenized: Path) -> dict[str, list]:
+    """The train rows `tokenize_once` saved (datasets' save_to_disk: Arrow streams), column by column, in order."""
+    import pyarrow as pa
+
+    shards = sorted((tokenized / "train").glob("*.arrow")) or sorted(tokenized.glob("*.arrow"))
+    if not shards:
+        raise FileNotFoundError(f"{tokenized}: no Arrow shards (train/*.arrow) where tokenize_once saved its data")
+    table = pa.concat_tables(pa.ipc.open_stream(shard).read_all() for shard in shards)
+    return table.to_pydict()
 
 
 if __name__ == "__main__":

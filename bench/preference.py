@@ -1,0 +1,331 @@
+"""DPO speed, memory and first losses of our train stage against LLaMA-Factory's DPO (bench/llamafactory.py), side by
+side in one run: the same base (artifacts/base), the same review pairs (data/corpus/reviews_pref_train.jsonl), the
+same tokens (both rendered with SmolLM2's chat template, checked token by token), the same pairs in each step (it
+reads them in the order our loop draws them), LoRA r=8 on q_proj,v_proj, beta 0.1 (the sigmoid loss; the reference =
+the base with the adapter disabled, in every step), 2 CPU ranks x 2 pairs, ZeRO-2, 8 steps, lr 2e-4 cosine without
+warmup, in bf16 (where the CPU computes it) and fp32; everything else at each tool's defaults. The two sides
+alternate; each figure is the median of --runs runs. Tokens are those of the chosen and rejected sequences (prompt
+included, padding not), over each side's whole training loop. The losses of the first steps are the proof that both
+compute the same objective: step 1 is log 2 on both (the adapter's B is zero) and in fp32 the steps after it agree
+within LOSS_TOLERANCE; in bf16 they part by each tool's rounding. Needs `make run` first (artifacts/base and
+artifacts/tokenizer).
+
+    python -m bench.preference [--runs 3] [--precisions bf16 fp32] [--steps 8]
+    python -m bench.preference --smoke [--results DIR]   # the tiny pipeline's model, 3 steps, 1 pair a rank (make test)
+
+The smoke run trains LLaMA-Factory too where its environment is built (`python -m bench.llamafactory`, from the
+package registry); elsewhere it runs ours alone and says that it skipped LLaMA-Factory."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from bench import llamafactory
+from bench.common import report, results_folder, run_measured, smoke_arguments, smoke_project
+from pipeline.core import config
+from pipeline.core.atomic import read_json
+from pipeline.core.environment import with_venv_path
+from pipeline.core.precision import native_bf16
+from pipeline.data.dataset import preference_arrays, split_indices
+from pipeline.data.tokenizer import load_tokenizer
+from pipeline.training.launch import before_launch
+from pipeline.training.schedule import global_batch
+
+LR = 2e-4
+BETA = 0.1
+PAIRS = Path("data/corpus/reviews_pref_train.jsonl")
+HELDOUT = Path("data/corpus/reviews_pref_heldout.jsonl")
+# SmolLM2's chat template's default system turn, given to LLaMA-Factory as each pair's system column: its smollm2
+# template writes the same turn with a final period.
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+FIRST = 3  # steps whose losses are reported
+# The same pairs, order, settings and initial adapter (B = 0: step 1 is log 2 on both): in fp32 the same losses but for
+# the rounding of two implementations. In bf16 the later steps differ more (each rounds its activations elsewhere).
+LOSS_TOLERANCE = 1e-3
+COLUMNS = {  # ours: LLaMA-Factory's
+    "input_ids": "chosen_input_ids", "labels": "chosen_labels",
+    "rejected_input_ids": "rejected_input_ids", "rejected_labels": "rejected_labels",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One bench run's sizes and inputs: `root` the project whose artifacts/ and data/corpus/ it reads."""
+
+    steps: int
+    ranks: int
+    micro: int  # pairs per rank and step
+    pairs: int  # the first pairs of PAIRS that neither side truncates: enough for the steps and validation
+    max_len: int  # tokens per side: our data.max_seq_len, its cutoff_len
+    root: Path = Path(".")
+
+    @property
+    def base(self) -> Path:
+        return self.root / "artifacts/base"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "artifacts/tokenizer"
+
+    @property
+    def global_pairs(self) -> int:
+        return self.micro * self.ranks
+
+
+FULL = Setup(steps=8, ranks=2, micro=2, pairs=400, max_len=384)
+SMOKE = Setup(steps=3, ranks=2, micro=1, pairs=24, max_len=256)  # the tiny model's 256 positions
+
+
+def overrides(setup: Setup, precision: str, work: Path) -> list[str]:
+    steps, micro = setup.steps, setup.micro
+    return [
+        "experiment=dpo_reviews", f"data.train_file={work / 'pairs.jsonl'}",
+        f"data.heldout_file={setup.root / HELDOUT}", f"data.max_seq_len={setup.max_len}", "data.prompt_template=chat",
+        "lora.r=8", "lora.alpha=16", "lora.dropout=0.0", "lora.target_modules=[q_proj,v_proj]",
+        f"train.beta={BETA}", "train.reference=step", f"train.max_steps={steps}", "train.warmup_steps=0",
+        f"train.lr={LR}", f"train.micro_batch_size={micro}", f"train.global_batch_size={setup.global_pairs}",
+        f"train.precision={precision}", f"launcher.ranks_per_node={setup.ranks}", "deepspeed=zero2",
+        f"train.eval_every={steps}", f"train.save_every={steps}", "train.eval_max_rows=4", "tracking.uri=",
+        "tracking.tensorboard=false",
+    ]  # fmt: skip
+
+
+def fitting_pairs(setup: Setup) -> list[dict]:
+    """The first `setup.pairs` pairs whose both sides fit `setup.max_len` tokens as we render them: the two tools cut
+    long pairs by different rules, so the benchmark trains none that either would cut."""
+    tokenizer = load_tokenizer(setup.tokenizer)
+    rows = [json.loads(line) for line in (setup.root / PAIRS).read_text(encoding="utf-8").splitlines() if line.strip()]
+    arrays, _ = preference_arrays(tokenizer, rows, template="chat", max_seq_len=10**9)
+    lengths = arrays["lengths"].reshape(-1, 2).max(axis=1)
+    kept = [row for row, length in zip(rows, lengths, strict=True) if length <= setup.max_len][: setup.pairs]
+    if len(kept) < setup.pairs:
+        raise ValueError(f"{setup.root / PAIRS}: {len(kept)} pairs fit {setup.max_len} tokens; expected {setup.pairs}")
+    return kept
+
+
+def prepare(setup: Setup, work: Path) -> tuple[Path, list[int]]:
+    """Both sides' data: the pairs cached by our cache_dataset stage (ours), and LLaMA-Factory's dataset folder
+    holding the pairs each of our steps trains, in our order (it reads them in order: disable_shuffling). Returns its
+    folder and the indices of our cached train rows in the order trained."""
+    pairs = fitting_pairs(setup)
+    (work / "pairs.jsonl").write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs))
+    cfg = config.compose("conf", overrides(setup, "fp32", work))
+    params = work / "params.yaml"
+    params.write_text(yaml.safe_dump(cfg))
+    subprocess.run([
+        sys.executable, "-m", "stages.cache_dataset", "--params", str(params), "--tokenizer", str(setup.tokenizer),
+        "--base-config", str(setup.base / "config.json"), "--out", str(work / "dataset"),
+        "--metrics", str(work / "dataset.json"), "--run-id-file", str(work / "run.json"),
+    ], check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+    counts = read_json(work / "dataset.json")
+    if counts.get("dropped_pairs") or counts.get("truncated_pairs"):
+        raise ValueError(f"{work / 'dataset.json'}: pairs were cut or dropped ({counts}); expected none")
+    data, train = cfg["data"], cfg["train"]
+    kept, _ = split_indices(len(pairs), data["validation_fraction"], data["seed"])  # as cache_dataset splits them
+    order = [
+        int(i)
+        for step in range(setup.steps)
+        for i in global_batch(step, n_rows=len(kept), global_batch_size=setup.global_pairs, seed=train["seed"])
+    ]  # as our loop draws them
+    folder = llamafactory.write_pairs(work / "llamafactory_data", [pairs[kept[i]] for i in order], system=SYSTEM)
+    return folder, order
+
+
+def cached_rows(dataset: Path) -> dict[str, list]:
+    """Our cached train split's columns (Arrow streams in datasets' layout)."""
+    import pyarrow as pa
+
+    table = pa.concat_tables(pa.ipc.open_stream(s).read_all() for s in sorted((dataset / "train").glob("*.arrow")))
+    return table.select(list(COLUMNS)).to_pydict()
+
+
+def same_tokens(work: Path, order: list[int], tokenized: Path) -> dict:
+    """Both sides' token ids and labels of the pairs trained, in the order trained: whether they are equal, and the
+    tokens (chosen + rejected) each side's data holds."""
+    ours, theirs = cached_rows(work / "dataset"), llamafactory.tokenized_rows(tokenized)
+    ours = {name: [column[i] for i in order] for name, column in ours.items()}
+    equal = len(theirs["chosen_input_ids"]) == len(order) and all(
+        ours[name] == theirs[other] for name, other in COLUMNS.items()
+    )
+    return {
+        "equal": equal,
+        "ours_tokens": sum(map(len, ours["input_ids"] + ours["rejected_input_ids"])),
+        "llamafactory_tokens": sum(map(len, theirs["chosen_input_ids"] + theirs["rejected_input_ids"])),
+        "pairs": len(order),
+    }
+
+
+def curve_losses(curve: Path) -> list[float]:
+    with open(curve, encoding="utf-8", newline="") as handle:
+        return [float(row["loss"]) for row in csv.DictReader(handle) if row.get("loss")]
+
+
+def ours(setup: Setup, work: Path, precision: str) -> dict:
+    run = work / f"ours_{precision}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    params = run / "params.yaml"
+    params.write_text(yaml.safe_dump(config.compose("conf", overrides(setup, precision, work))))
+    before_launch()
+    wall, peak, _ = run_measured([
+        sys.executable, "-m", "stages.train", "--params", str(params), "--base", str(setup.base),
+        "--tokenizer", str(setup.tokenizer), "--dataset", str(work / "dataset"),
+        "--checkpoints", str(run / "ckpt"), "--metrics", str(run / "metrics.json"), "--curve", str(run / "curve.csv"),
+        "--run-id-file", str(run / "run.json"),
+    ], env=with_venv_path())  # fmt: skip
+    metrics = read_json(run / "metrics.json")
+    tokens = metrics["tokens_per_s"] * metrics["train_seconds"]
+    return {"tokens_per_s": metrics["tokens_per_s"], "tokens": round(tokens), "wall_s": wall,
+            "peak_mb_per_rank": peak, "losses": curve_losses(run / "curve.csv")[:FIRST]}  # fmt: skip
+
+
+def theirs(setup: Setup, work: Path, data: Path, precision: str) -> dict:
+    run = work / f"llamafactory_{precision}"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    options = llamafactory.config(
+        base=setup.base, data=data, kind="pairs", precision=precision, steps=setup.steps, micro=setup.micro,
+        block=setup.max_len, lr=LR, work=run, tokenized=work / "llamafactory_tokenized", warmup_steps=0, beta=BETA,
+    )  # fmt: skip
+    (run / "cfg.yaml").write_text(yaml.safe_dump(options))
+    before_launch()
+    wall, peak, _ = run_measured(llamafactory.command(run / "cfg.yaml"), env=llamafactory.environment(setup.ranks))
+    loop_seconds, tokens = llamafactory.loop_figures(run)
+    return {"tokens_per_s": tokens / loop_seconds, "tokens": tokens, "wall_s": wall, "peak_mb_per_rank": peak,
+            "losses": llamafactory.step_losses(run)[:FIRST]}  # fmt: skip
+
+
+def median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def compare(setup: Setup, work: Path, data: Path, *, precision: str, runs: int, peer: bool) -> dict:
+    """Both sides `runs` times, alternating (theirs first on odd rounds); medians, ratios and the first losses (the
+    first run's: a run repeats them). Without `peer`, ours alone."""
+    our, their = [], []
+    for i in range(runs):
+        sides = [("ours", our), ("theirs", their)] if peer else [("ours", our)]
+        for name, results in sides if i % 2 == 0 else sides[::-1]:
+            if name == "ours":
+                results.append(ours(setup, work, precision))
+            else:
+                results.append(theirs(setup, work, data, precision))
+            print(f"bench.preference: {precision} {name} run {i + 1}: {json.dumps(results[-1])}", flush=True)
+    figures = {
+        "ours_tokens_per_s": round(median(our, "tokens_per_s"), 1),
+        "ours_wall_s": round(median(our, "wall_s"), 1),
+        "ours_peak_mb_per_rank": round(median(our, "peak_mb_per_rank")),
+        "ours_tokens": our[0]["tokens"],
+        "ours_first_losses": [round(x, 8) for x in our[0]["losses"]],
+        "runs": {"ours": our},
+    }
+    if not peer:
+        return figures
+    figures.update(
+        llamafactory_tokens_per_s=round(median(their, "tokens_per_s"), 1),
+        llamafactory_wall_s=round(median(their, "wall_s"), 1),
+        llamafactory_peak_mb_per_rank=round(median(their, "peak_mb_per_rank")),
+        llamafactory_tokens=their[0]["tokens"],
+        llamafactory_first_losses=[round(x, 8) for x in their[0]["losses"]],
+    )
+    pairs = list(zip(our[0]["losses"], their[0]["losses"], strict=False))
+    figures.update(
+        speedup=round(figures["ours_tokens_per_s"] / figures["llamafactory_tokens_per_s"], 3),
+        wall_ratio=round(figures["ours_wall_s"] / figures["llamafactory_wall_s"], 3),
+        memory_ratio=round(figures["ours_peak_mb_per_rank"] / figures["llamafactory_peak_mb_per_rank"], 3),
+        first_losses_max_diff=round(max(abs(a - b) for a, b in pairs), 8),
+        first_losses_equal=all(abs(a - b) <= LOSS_TOLERANCE for a, b in pairs),
+        step1_log2=all(abs(x - math.log(2)) <= LOSS_TOLERANCE for x in pairs[0]),
+        runs={"ours": our, "llamafactory": their},
+    )
+    return figures
+
+
+def measure(setup: Setup, *, precisions: list[str], runs: int, peer: bool) -> dict:
+    """Every precision of `setup`, in a temporary folder; without `peer`, LLaMA-Factory is skipped."""
+    figures = {"steps": setup.steps, "ranks": setup.ranks, "micro_pairs": setup.micro, "max_len": setup.max_len}
+    figures |= {"beta": BETA, "lr": LR}
+    figures["llamafactory"] = llamafactory.VERSION if peer else f"skipped: {llamafactory.VENV} is not built"
+    with tempfile.TemporaryDirectory(prefix="bench-preference-") as tmp:
+        work = Path(tmp)
+        data, order = prepare(setup, work)
+        if peer:
+            tokenized = work / "llamafactory_tokenized"
+            llamafactory.tokenize_once(
+                work / "llamafactory_tokenize", base=setup.base, data=data, kind="pairs", block=setup.max_len,
+                tokenized=tokenized, ranks=setup.ranks,
+            )  # fmt: skip
+            figures["same_tokens"] = same_tokens(work, order, tokenized)
+            if not figures["same_tokens"]["equal"]:
+                print(f"bench.preference: the two sides' tokens differ: {figures['same_tokens']}", flush=True)
+        for precision in precisions:
+            figures[precision] = compare(setup, work, data, precision=precision, runs=runs, peer=peer)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="runs of each side per precision (median)")
+    parser.add_argument("--precisions", nargs="+", choices=["bf16", "fp32"], help="default: both (--smoke: fp32)")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {FULL.steps}; --smoke {SMOKE.steps})")
+    smoke_arguments(parser)
+    args = parser.parse_args(argv)
+    results = results_folder(args)
+    if not args.smoke:
+        llamafactory.ensure_venv()
+        precisions = [p for p in args.precisions or ["bf16", "fp32"] if p != "bf16" or native_bf16("cpu")]
+        setup = replace(FULL, steps=args.steps or FULL.steps)
+        figures = measure(setup, precisions=precisions, runs=args.runs, peer=True)
+        report("preference", figures, results)
+        print(table(figures))
+        return
+    peer = (llamafactory.VENV / ".complete").exists()  # built by ensure_venv; the smoke never builds it
+    if not peer:
+        print(
+            f"bench.preference: skipping LLaMA-Factory: {llamafactory.VENV} is not built (python -m bench.llamafactory)"
+        )
+    precisions = [p for p in args.precisions or ["fp32"] if p != "bf16" or native_bf16("cpu")]
+    with smoke_project(args.project) as project:
+        setup = replace(SMOKE, root=project, steps=args.steps or SMOKE.steps)
+        figures = measure(setup, precisions=precisions, runs=1, peer=peer)
+    report("preference", {**figures, "smoke": True}, results)
+    if peer:
+        print(table(figures))
+
+
+def table(figures: dict) -> str:
+    """The README's table."""
+    lines = [
+        "| precision | tokens/s: ours / LLaMA-Factory | ours/theirs | wall s: ours / theirs | peak MB per rank: ours / "
+        "theirs | loss of steps 1-3: ours (theirs: max abs difference) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, f in figures.items():
+        if isinstance(f, dict) and "speedup" in f:
+            lines.append(
+                f"| {key} | {f['ours_tokens_per_s']} / {f['llamafactory_tokens_per_s']} | {f['speedup']}x | "
+                f"{f['ours_wall_s']} / {f['llamafactory_wall_s']} ({f['wall_ratio']}x) | "
+                f"{f['ours_peak_mb_per_rank']} / {f['llamafactory_peak_mb_per_rank']} ({f['memory_ratio']}x) | "
+                f"{_losses(f['ours_first_losses'])} ({f['first_losses_max_diff']:.1e}) |"
+            )
+    return "\n".join(lines)
+
+
+def _losses(values: list[float]) -> str:
+    return ", ".join(f"{x:.6f}" for x in values)
+
+
+if __name__ == "__main__":
+    main()
