@@ -2,8 +2,9 @@
 with an untied head (the Llama-3 8B/70B case) trained by the train stage under ZeRO-2 and ZeRO-3, bf16, activation
 checkpointing on; each consolidated and compared with the live engine's tensors; the ZeRO-3 adapter merged (the
 merge stage's own proof) and base, adapter and merged model evaluated on the GPU; DPO on the packaged review pairs
-(the reference: the adapter disabled); QLoRA nf4 where bitsandbytes is installed; then `bench.gpu_train` (Llama-3-8B
-shape) unless --no-throughput. Every step runs even when one before it failed (those that need its output are
+(the reference: the adapter disabled); QLoRA nf4 where bitsandbytes is installed; the `gpu`-marked unit tests (the
+speed paths against PyTorch's operators on CUDA) where pytest is; then `bench.gpu_train` (Llama-3-8B shape) unless
+--no-throughput. Every step runs even when one before it failed (those that need its output are
 skipped); the figures go to RESULTS/gpu_check.json after each step and every command's output to
 RESULTS/gpu_check.log.
 
@@ -211,6 +212,21 @@ def train(steps_log: Steps, name: str, out: Path, command: list[str], needs: tup
         steps_log.record(name, {k: metrics[k] for k in TRAIN_FIGURES if k in metrics})
 
 
+def gpu_tests(steps_log: Steps) -> None:
+    """The unit tests marked `gpu` (skipped on CPU machines, so only run here), their summary line recorded."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        steps_log.record("gpu_tests", {"ok": False, "skipped": "pytest is not installed (make gpu-wheels carries it)"})
+        return
+    marked = sorted(str(f) for f in Path("tests/unit").rglob("test_*.py") if "mark.gpu" in f.read_text())
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *marked]
+    steps_log.run("gpu_tests", command)
+    summary = steps_log.results / "gpu_check.log"
+    last = [line for line in summary.read_text().splitlines() if " passed" in line or " failed" in line]
+    steps_log.record("gpu_tests", {"summary": last[-1].strip("= ") if last else None})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -235,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             accelerator=accelerator, steps=3 if args.smoke else args.steps, block=64 if args.smoke else 1024,
             steps_log=steps_log,
         )  # fmt: skip
+    if accelerator == "cuda":
+        gpu_tests(steps_log)
     if accelerator == "cuda" and args.throughput:
         steps_log.run("gpu_train", [sys.executable, "-m", "bench.gpu_train", "--results", str(results)])
     report("gpu_check", steps_log.figures, results)

@@ -25,6 +25,7 @@ PACKAGES = (  # what our stages import that the machine lacks, with what those i
     "deepspeed", "hjson", "hydra-core", "omegaconf", "antlr4-python3-runtime", "pydantic", "pydantic_core",
     "annotated-types", "typing-inspection", "datasets", "dill", "multiprocess", "transformers", "peft",
 )  # fmt: skip
+TEST_PACKAGES = ("pytest", "pluggy", "iniconfig", "pygments")  # gpu-check runs the `gpu`-marked unit tests
 SOURCE_ONLY = ("deepspeed", "antlr4-python3-runtime")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     versions = pins(Path("constraints.txt"))
     args.out.mkdir(exist_ok=True)
     pip = [sys.executable, "-m", "pip"]
-    names = [*PACKAGES, *(["bitsandbytes"] if args.bitsandbytes else [])]
+    names = [*PACKAGES, *TEST_PACKAGES, *(["bitsandbytes"] if args.bitsandbytes else [])]
     binary = [pinned(n, versions) for n in names if n not in SOURCE_ONLY]
     platforms = [x for p in PLATFORMS for x in ("--platform", p)]
     subprocess.run([

@@ -34,14 +34,14 @@ def load_pairs(tokenizer, path: Path, *, template: str, max_seq_len: int, key: s
 
 def pair_logps(model, pairs: list[dict], *, batch_size: int, pad_id: int) -> np.ndarray:
     """[pairs, 2]: the chosen and the rejected response's summed log-probability under `model`."""
-    from pipeline.training.preference import pair_batch, sequence_logps
+    from pipeline.training.preference import pair_batch, response_logps
 
     found = []
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
             rows = pairs[start : start + batch_size]
             batch = {k: v.to(model.device) for k, v in pair_batch(rows, pad_id).items()}
-            logps, _ = sequence_logps(model(input_ids=batch["input_ids"]).logits, batch["labels"])
+            logps, _ = response_logps(model, batch)
             found.append(logps.view(2, len(rows)).T.double().cpu().numpy())
     return np.concatenate(found)
 

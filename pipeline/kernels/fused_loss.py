@@ -8,15 +8,18 @@ just scales what the forward pass kept (the gradient for the hidden states, and 
 loss is the same mean cross-entropy over the labelled positions, the same arithmetic in a different summation order
 (tests/unit/kernels/test_fused_loss.py). On a CPU, in bf16 or fp32, each row's softmax cross-entropy is one C++ pass
 (pipeline/kernels/cpp.py) that writes the gradient over the row's logits, where PyTorch's operators make seven passes
-over the chunk (upcast, max, subtract, exp, sum, divide, downcast)."""
+over the chunk (upcast, max, subtract, exp, sum, divide, downcast). The preference objectives (DPO, ORPO, SimPO) take
+each labelled position's log-probability the same way (`target_logps`), the gradient scaled per position in backward."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from types import MethodType
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from pipeline.data.batches import shifted
 from pipeline.data.dataset import IGNORE_INDEX
@@ -33,17 +36,39 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ kernel's: fp16 logits
 
 
 def softmax_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's operators on any device: the summed cross-entropy of the rows of `logits` (upcast to fp32) against
+    """PyTorch's operators on any device: each row's cross-entropy (fp32) of `logits` (upcast to fp32) against
     `targets`, and softmax - one-hot (fp32; over `logits` when they already were)."""
     logits = logits.float()
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)
     peak = logits.amax(dim=-1, keepdim=True)
     exp = logits.sub_(peak).exp_()  # in place: one pass for the loss and the gradient
     sums = exp.sum(dim=-1, keepdim=True)
-    total = (peak.squeeze(1) + sums.log().squeeze(1) - target_logits).sum()
+    losses = peak.squeeze(1) + sums.log().squeeze(1) - target_logits
     grad = exp.div_(sums)  # softmax
     grad[torch.arange(len(targets), device=targets.device), targets] -= 1.0
-    return total, grad
+    return losses, grad
+
+
+def _head_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool):
+    """The logits `hidden @ weight.T` a chunk of rows at a time: (the chunk's rows, its hidden states, each row's
+    cross-entropy (fp32), and with `grads` softmax - one-hot in the head's dtype, else None)."""
+    rows = max(1, CHUNK_BYTES.get(hidden.device.type, 2**26) // (weight.shape[0] * weight.element_size()))
+    compiled = cpp.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
+    for start in range(0, hidden.shape[0], rows):
+        h, t = hidden[start : start + rows], targets[start : start + rows]
+        logits = matmul_nt(h, weight)  # as transformers: the head in the module's dtype, then (here per row) upcast
+        if compiled is not None:  # one pass over each row, the gradient written over its logits
+            losses, grad = compiled.cross_entropy_rows(logits, t, grads), logits
+        else:
+            losses, grad = softmax_cross_entropy(logits, t)
+            grad = grad.to(weight.dtype)
+        yield slice(start, start + len(t)), h, losses, grad if grads else None
+
+
+def _kept_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient for `hidden` waits in: fp16 would underflow before the loss scale multiplies it in
+    backward; bf16 has fp32's range."""
+    return torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -51,27 +76,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
-        n, vocab = hidden.shape[0], weight.shape[0]
-        rows = max(1, CHUNK_BYTES.get(hidden.device.type, 2**26) // (vocab * weight.element_size()))
-        # fp16 would underflow before the loss scale multiplies it in backward; bf16 has fp32's range
-        kept = torch.float32 if hidden.dtype == torch.float16 else hidden.dtype
-        grad_hidden = torch.empty_like(hidden, dtype=kept) if grads else None
+        n = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        compiled = cpp.load() if hidden.device.type == "cpu" and weight.dtype in KERNEL_DTYPES else None
-        for start in range(0, n, rows):
-            h, t = hidden[start : start + rows], targets[start : start + rows]
-            logits = matmul_nt(h, weight)  # as transformers: the head in the module's dtype, then (here per row) upcast
-            if compiled is not None:  # one pass over each row, the gradient written over its logits
-                total += compiled.cross_entropy_rows(logits, t, grad_hidden is not None).sum()
-                grad = logits
-            else:
-                loss, grad = softmax_cross_entropy(logits, t)
-                total += loss
-                grad = grad.to(weight.dtype)
-            if grad_hidden is None:
+        for part, h, losses, grad in _head_chunks(hidden, weight, targets, grads):
+            total += losses.sum()
+            if grad is None:
                 continue
-            grad_hidden[start : start + rows] = matmul_nt(grad, weight.T).div_(n)
+            grad_hidden[part] = matmul_nt(grad, weight.T).div_(n)
             if grad_weight is not None:
                 grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -94,6 +107,45 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return _LinearCrossEntropy.apply(hidden, weight, targets, grads)
 
 
+class _LinearTargetLogps(torch.autograd.Function):
+    """Each row's log-probability of its target under log_softmax(hidden @ weight.T) (fp32), for a frozen weight:
+    the gradient for `hidden` computed in the forward pass, scaled by each row's incoming gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
+        logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for part, _, losses, grad in _head_chunks(hidden, weight, targets, grads):
+            logps[part] = -losses
+            if grad is not None:
+                grad_hidden[part] = matmul_nt(grad, weight.T).neg_()
+        ctx.save_for_backward(grad_hidden)
+        ctx.dtype = hidden.dtype
+        return logps
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_output[:, None]).to(ctx.dtype), None, None, None
+
+
+def linear_target_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its target under the logits `hidden @ weight.T` (rows x vocabulary, never
+    materialised whole), for a frozen `weight` (a trained head's gradient would need every row's logits kept)."""
+    if weight.requires_grad:
+        raise ValueError("linear_target_logps: the head is trained; take its logits at these rows instead")
+    grads = torch.is_grad_enabled() and hidden.requires_grad
+    return _LinearTargetLogps.apply(hidden, weight, targets, grads)
+
+
+@dataclass
+class TargetLogps(ModelOutput):
+    """What `fused_forward` returns with `target_logps`: each labelled position's log-probability of its target
+    (fp32), flattened in row-major order of the positions whose label counts."""
+
+    logps: torch.Tensor | None = None
+
+
 def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The causal LM's output head when the fused loss computes what transformers' forward does (a
     bias-free Linear, frozen or trained in full; no logit scaling or soft-capping, no router loss), else None."""
@@ -112,10 +164,18 @@ def plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
 
 
 def fused_forward(
-    self, input_ids=None, labels=None, shift_labels=None, position_ids=None, attention_mask=None, **kwargs
-) -> CausalLMOutputWithPast:
+    self,
+    input_ids=None,
+    labels=None,
+    shift_labels=None,
+    position_ids=None,
+    attention_mask=None,
+    target_logps: bool = False,
+    **kwargs,
+) -> CausalLMOutputWithPast | TargetLogps:
     """`forward` of a causal LM with the fused loss when labels are given (`shift_labels`: targets already shifted,
-    as packed rows need); without labels, transformers' own forward."""
+    as packed rows need), or with `target_logps` each labelled position's log-probability (TargetLogps, what the
+    preference objectives sum; a frozen head only); without labels, transformers' own forward."""
     if labels is None and shift_labels is None:
         return type(self).forward(
             self, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
@@ -128,8 +188,20 @@ def fused_forward(
     hidden = out.last_hidden_state[keep]
     head = plain_head(self)
     with gathered(head.weight):
+        if target_logps:
+            return TargetLogps(logps=linear_target_logps(hidden, head.weight, targets[keep]))
         loss = linear_cross_entropy(hidden, head.weight, targets[keep])
     return CausalLMOutputWithPast(loss=loss)
+
+
+def fuses_target_logps(model: torch.nn.Module) -> bool:
+    """Whether the causal LM inside `model` (a DeepSpeed engine, a PEFT model or the LM) has the fused forward and
+    a frozen head: what `target_logps` needs."""
+    model = getattr(model, "module", model)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(lm.forward, "__func__", None) is not fused_forward:
+        return False
+    return not plain_head(lm).weight.requires_grad
 
 
 def gathered(weight: torch.Tensor):

@@ -10,6 +10,7 @@ reference: they use the responses' mean log-probabilities (per token), DPO their
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from pipeline.data.batches import collate, shifted
 from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.kernels import fused_loss
 
 OBJECTIVES = ("lm", "dpo", "orpo", "simpo")
 STATS = ("pairs", "correct", "reward_chosen", "reward_rejected")  # summed over pairs, then over ranks
@@ -37,22 +39,39 @@ def pair_batch(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
     return collate(chosen + rejected, pad_id)
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-probability of its labelled next tokens (fp32), and how many there are."""
-    targets = shifted(labels)
+def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its labelled next tokens (fp32), and how many there are, under `model` (a
+    DeepSpeed engine or a module). Never the whole batch's logits: the fused head where the kernels installed it and it
+    is frozen (a chunk of positions at a time), else transformers' logits at the labelled positions only
+    (`logits_to_keep`; a trained head's gradient needs them)."""
+    targets = shifted(batch["labels"])
     keep = targets != IGNORE_INDEX
-    logits = logits.float()
-    picked = logits.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-    token_logps = (picked - torch.logsumexp(logits, dim=-1)) * keep
-    return token_logps.sum(-1), keep.sum(-1)
+    if fused_loss.fuses_target_logps(model):
+        values = model(input_ids=batch["input_ids"], labels=batch["labels"], target_logps=True).logps
+    else:
+        if _keeps_logits(model):
+            logits = model(input_ids=batch["input_ids"], logits_to_keep=keep).logits  # [labelled positions, vocab]
+        else:
+            logits = model(input_ids=batch["input_ids"]).logits[keep]
+        values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[keep][:, None]).squeeze(1)
+    per_position = torch.zeros(keep.shape, dtype=torch.float32, device=values.device)
+    per_position[keep] = values.float()
+    return per_position.sum(-1), keep.sum(-1)
+
+
+def _keeps_logits(model) -> bool:
+    """Whether the causal LM inside `model` takes `logits_to_keep` (a mask of the positions to compute logits at)."""
+    model = getattr(model, "module", model)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(type(lm).forward).parameters
 
 
 def model_logps(engine, batch: dict[str, torch.Tensor], *, reference: bool = False):
-    """`sequence_logps` of the model on `batch`; with `reference`, of the base (the adapter disabled, no gradient)."""
+    """`response_logps` of the model on `batch`; with `reference`, of the base (the adapter disabled, no gradient)."""
     if not reference:
-        return sequence_logps(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+        return response_logps(engine, batch)
     with torch.no_grad(), engine.module.disable_adapter():
-        return sequence_logps(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+        return response_logps(engine, batch)
 
 
 def pair_losses(

@@ -129,3 +129,77 @@ def test_dpo_gradients_reach_the_adapter_and_not_the_reference(engine):
     assert grads and all(g is not None and float(g.abs().sum()) > 0 for g in grads)
     assert all(p.grad is None for n, p in engine.module.named_parameters() if "lora_" not in n)
     engine.module.zero_grad()
+
+
+def adapted(dtype: torch.dtype, fused: bool, device: str, trained_head: bool = False) -> Engine:
+    """The tests' tiny LLaMA (random, seeded) with a LoRA adapter whose B is not zero, on `device`; with
+    `trained_head`, untied and its head trained in full (as an extended vocabulary trains it)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from pipeline.kernels import fused_loss
+    from pipeline.model.base_import import tiny_llama_config
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config(vocab_size=512, tie_word_embeddings=not trained_head)).to(dtype)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        modules_to_save=["lm_head"] if trained_head else None,
+    )  # fmt: skip
+    model = get_peft_model(base, config).to(device)
+    assert not fused or fused_loss.install(model)
+    engine = Engine(model.eval())
+    engine.device = torch.device(device)
+    return engine
+
+
+def from_full_logits(engine, batch) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled next tokens from the whole batch's logits."""
+    from pipeline.data.batches import shifted
+
+    targets = shifted(batch["labels"])
+    logps = torch.log_softmax(engine(input_ids=batch["input_ids"]).logits.float(), dim=-1)
+    picked = logps.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return (picked * (targets != IGNORE_INDEX)).sum(-1)
+
+
+CASES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
+@pytest.mark.parametrize(("dtype", "tolerance"), CASES, ids=["fp32", "bf16"])
+def test_fused_head_and_kept_logits_equal_the_full_logits_with_their_gradients(
+    dtype, tolerance, trained_head, monkeypatch
+):
+    """The two ways the objectives take log-probabilities without the batch's logits (the fused head; transformers'
+    logits_to_keep) give the figures and the adapter gradients of the whole-logits formula, rows weighted unequally
+    (as DPO's per-pair gradients are); the fused head 3 positions at a time; a trained head's gradient too."""
+    _check_ways_agree(dtype, tolerance, "cpu", monkeypatch, trained_head)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "tolerance"), CASES, ids=["fp32", "bf16"])
+def test_fused_head_and_kept_logits_equal_the_full_logits_on_cuda(dtype, tolerance, monkeypatch):
+    _check_ways_agree(dtype, tolerance, "cuda", monkeypatch)
+
+
+def _check_ways_agree(
+    dtype: torch.dtype, tolerance: float, device: str, monkeypatch, trained_head: bool = False
+) -> None:
+    from pipeline.kernels import fused_loss
+
+    monkeypatch.setitem(fused_loss.CHUNK_BYTES, device, 3 * 512 * dtype.itemsize)
+    batch = {k: v.to(device) for k, v in pair_batch(ROWS, PAD).items()}
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0], device=device)
+    found = {}
+    for way in ("full", "kept", "fused"):
+        engine = adapted(dtype, fused=way == "fused", device=device, trained_head=trained_head)
+        sums = from_full_logits(engine, batch) if way == "full" else model_logps(engine, batch)[0]
+        (sums * weights).sum().backward()
+        grads = [p.grad.float() for p in engine.module.parameters() if p.requires_grad]
+        assert len(grads) == 8 + trained_head
+        found[way] = sums.detach(), grads
+    for way in ("kept", "fused"):
+        torch.testing.assert_close(found[way][0], found["full"][0], rtol=tolerance, atol=tolerance * 10)
+        for grad, expected in zip(found[way][1], found["full"][1], strict=True):
+            torch.testing.assert_close(grad, expected, rtol=tolerance * 5, atol=tolerance * 5)
