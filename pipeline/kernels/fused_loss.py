@@ -32,6 +32,7 @@ from pipeline.kernels.linear import matmul_nt
 CHUNK_BYTES = {"cpu": 2**25, "cuda": 2**27}
 
 
+TARGET_LOGPS = "fused_target_logps"  # the installed LM's flag; pipeline/training/preference.py reads it by name
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ kernel's: fp16 logits are upcast by PyTorch's operators
 
 
@@ -194,16 +195,6 @@ def fused_forward(
     return CausalLMOutputWithPast(loss=loss)
 
 
-def fuses_target_logps(model: torch.nn.Module) -> bool:
-    """Whether the causal LM inside `model` (a DeepSpeed engine, a PEFT model or the LM) has the fused forward and
-    a frozen head: what `target_logps` needs."""
-    model = getattr(model, "module", model)
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if getattr(lm.forward, "__func__", None) is not fused_forward:
-        return False
-    return not plain_head(lm).weight.requires_grad
-
-
 def gathered(weight: torch.Tensor):
     """Under ZeRO-3 (a partitioned parameter), the whole weight for the duration (the head's module is never called,
     so ZeRO's hooks would not gather it), released after unless a module still holds it; otherwise nothing to do.
@@ -221,7 +212,8 @@ def gathered(weight: torch.Tensor):
 def install(model: torch.nn.Module, partitioned: bool = False) -> bool:
     """Give the causal LM inside `model` (a PEFT model or the LM itself) the fused loss; False (unchanged) where
     its head is not a plain Linear (see plain_head), or is trained and `partitioned` (ZeRO-3: its gradient must then
-    reach ZeRO through the head module's own hooks, so transformers' loss computes it)."""
+    reach ZeRO through the head module's own hooks, so transformers' loss computes it). A frozen head also gives
+    the LM `TARGET_LOGPS = True`: its forward takes `target_logps` (the preference objectives read the flag)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = plain_head(lm)
     if head is None or lm.get_decoder() is lm:  # no separate decoder to run before the head
@@ -229,4 +221,5 @@ def install(model: torch.nn.Module, partitioned: bool = False) -> bool:
     if partitioned and head.weight.requires_grad:
         return False
     lm.forward = MethodType(fused_forward, lm)
+    setattr(lm, TARGET_LOGPS, not head.weight.requires_grad)
     return True

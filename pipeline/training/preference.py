@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from pipeline.data.batches import collate, shifted
 from pipeline.data.dataset import IGNORE_INDEX
-from pipeline.kernels import fused_loss
 
 OBJECTIVES = ("lm", "dpo", "orpo", "simpo")
+FUSED_TARGET_LOGPS = "fused_target_logps"  # set on the LM by pipeline.kernels.fused_loss.install: a frozen fused head
 STATS = ("pairs", "correct", "reward_chosen", "reward_rejected")  # summed over pairs, then over ranks
 
 
@@ -46,7 +46,7 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     (`logits_to_keep`; a trained head's gradient needs them)."""
     targets = shifted(batch["labels"])
     keep = targets != IGNORE_INDEX
-    if fused_loss.fuses_target_logps(model):
+    if getattr(_causal_lm(model), FUSED_TARGET_LOGPS, False):
         values = model(input_ids=batch["input_ids"], labels=batch["labels"], target_logps=True).logps
     else:
         if _keeps_logits(model):
@@ -61,9 +61,13 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
 
 def _keeps_logits(model) -> bool:
     """Whether the causal LM inside `model` takes `logits_to_keep` (a mask of the positions to compute logits at)."""
+    return "logits_to_keep" in inspect.signature(type(_causal_lm(model)).forward).parameters
+
+
+def _causal_lm(model) -> torch.nn.Module:
+    """The causal LM inside `model` (a DeepSpeed engine, a PEFT model or the LM itself)."""
     model = getattr(model, "module", model)
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(type(lm).forward).parameters
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def model_logps(engine, batch: dict[str, torch.Tensor], *, reference: bool = False):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.data.dataset import IGNORE_INDEX
-from pipeline.training.preference import Objective, model_logps, pair_batch, pair_loss
+from pipeline.training.preference import FUSED_TARGET_LOGPS, Objective, model_logps, pair_batch, pair_loss
 
 PAD = 0
 
@@ -148,6 +148,8 @@ def adapted(dtype: torch.dtype, fused: bool, device: str, trained_head: bool = F
     )  # fmt: skip
     model = get_peft_model(base, config).to(device)
     assert not fused or fused_loss.install(model)
+    flag = getattr(model.get_base_model(), FUSED_TARGET_LOGPS, False)
+    assert flag == (fused and not trained_head), "the fused head's log-probabilities: a frozen head, installed"
     engine = Engine(model.eval())
     engine.device = torch.device(device)
     return engine
