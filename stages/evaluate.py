@@ -13,7 +13,7 @@ from stages._common import run
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     e = cfg.eval
-    specs = tasks.load_tasks(e.tasks)  # checked before any model is loaded
+    specs = tasks.load_tasks(e.tasks, e.task_code)  # checked before any model is loaded
     scoring = comparison.Scoring(
         template=cfg.data.prompt_template,
         max_bytes=e.max_bytes,

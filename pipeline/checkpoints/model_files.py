@@ -76,7 +76,8 @@ def pickled(path: Path) -> dict[str, Pickled]:
     try:
         state = torch_load(path, weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[-1][:200]
+        lines = str(err).strip().splitlines()
+        first = next((line for line in lines if "GLOBAL" in line), lines[-1])[:200]  # the global torch refused
         raise ValueError(
             f"{path}: not loadable with weights_only=True ({first}): it holds pickled objects other than tensors, "
             f"which are never unpickled here; save the state dict again (or as safetensors)"

@@ -119,3 +119,9 @@ def scan(path: Path, *, trust: bool = False) -> None:
                 for module, name in globals_of(archive.read(member)):
                     if not allowed(module, name):
                         raise refusal(path, module, name)
+
+
+def scan_folder(folder: Path, *, trust: bool = False) -> None:
+    """`scan` every torch file under `folder` (a universal checkpoint: a folder of files per parameter)."""
+    for path in sorted(Path(folder).rglob("*.pt")):
+        scan(path, trust=trust)

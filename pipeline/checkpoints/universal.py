@@ -73,10 +73,11 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
 
 
 def ensure_universal(tag_dir: Path, workers: int = 1) -> tuple[Path, dict | None]:
-    """The universal form of `tag_dir` beside it: the complete one already there (manifest None), else written now
-    (its manifest), after removing what a conversion that was killed left."""
+    """The universal form of `tag_dir` beside it: the complete one already there (manifest None; its files scanned
+    by safe_pickle), else written now (its manifest), after removing what a conversion that was killed left."""
     out = universal_path(tag_dir)
-    if is_universal(out):
+    if is_universal(out):  # received with the checkpoint, perhaps: read as data like the tag's own files
+        safe_pickle.scan_folder(out)
         return out, None
     for stale in tag_dir.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale)

@@ -193,6 +193,7 @@ class EvalConfig(Section):
     prompts: list[str]
     precision: Literal["auto", "bf16", "fp32"]
     tasks: list[str]
+    task_code: list[str]
     task_limit: int | None = Field(gt=0)
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data.inputs import response_text
+from pipeline.data.tokenizer import template_refusals
 
 IGNORE_INDEX = -100
 REQUIRED_FIELDS = {"text": (), "alpaca": ("instruction", "output"), "chat": ("messages",)}  # per data format
@@ -138,7 +139,8 @@ def rendered_segments(
 def _render(tokenizer, conversations: list[list[dict]], add_generation_prompt: bool) -> list[str]:
     if not conversations:
         return []
-    return tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
+    with template_refusals():
+        return tokenizer.apply_chat_template(conversations, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 RENDERED_CHARS_PER_TOKEN = 32  # a row's rendering stops past this many characters per max_seq_len token

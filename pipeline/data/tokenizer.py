@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +95,25 @@ class LightTokenizer:
             **self.special_tokens,
         )
         return rendered if batched else rendered[0]
+
+
+@contextmanager
+def template_refusals():
+    """Chat templates render in transformers' jinja sandbox (an ImmutableSandboxedEnvironment: a template may
+    format messages, never call into Python); what the sandbox refuses, or a template that does not parse, ends as
+    bad input naming the chat template instead of a traceback. Nothing else here renders a template."""
+    import jinja2.exceptions
+
+    try:
+        yield
+    except jinja2.exceptions.SecurityError as err:
+        raise ValueError(
+            f"chat template: refused by the sandbox it renders in ({err}); a chat template may format messages, "
+            "never reach Python objects: expected the tokenizer's own template (tokenizer_config.json or "
+            "chat_template.jinja) without that expression"
+        ) from None
+    except jinja2.exceptions.TemplateError as err:
+        raise ValueError(f"chat template: cannot be rendered ({type(err).__name__}: {err})") from None
 
 
 def light_tokenizer(folder: Path) -> LightTokenizer | None:

@@ -11,6 +11,8 @@ from typing import TextIO
 
 import torch
 
+from pipeline.data.tokenizer import template_refusals
+
 COMMANDS = "/reset clears the history, /exit (or Ctrl-D) quits"
 
 
@@ -45,9 +47,10 @@ class Conversation:
     def prompt_ids(self, tokenizer) -> torch.Tensor:
         """Token ids of the history with the assistant's turn opened."""
         if tokenizer.chat_template:
-            return tokenizer.apply_chat_template(
-                self.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
+            with template_refusals():
+                return tokenizer.apply_chat_template(
+                    self.messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+                )["input_ids"]
         lines = [f"{m['role'].capitalize()}: {m['content']}" for m in self.messages]
         return tokenizer("\n".join([*lines, "Assistant:"]), return_tensors="pt").input_ids
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pipeline.checkpoints import folder, safe_pickle
-from pipeline.checkpoints.universal import ensure_universal, load_universal
+from pipeline.checkpoints.universal import ensure_universal, load_universal, universal_path
 from pipeline.core.atomic import read_json
 from pipeline.training.plan import Resume
 
@@ -52,6 +52,8 @@ def prepare(*, directory: Path, state: dict, resume_from: Path | None, convert: 
     if source is not None:
         for pickled in sorted(source.glob("*.pt")):  # before DeepSpeed's loader or a conversion reads any of them
             safe_pickle.scan(pickled)
+        if universal_path(source).is_dir():  # a conversion's result beside the tag, which a resume would load
+            safe_pickle.scan_folder(universal_path(source))
         folder.check_same_model(saved, source.parent, state["identity"])
         folder.check_same_rates(saved, source.parent, state["variant"]["lr_ratio"])
     directory.mkdir(parents=True, exist_ok=True)

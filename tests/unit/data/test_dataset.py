@@ -293,3 +293,32 @@ def test_sft_examples_are_the_reference_row_by_row(request, folder, bound, peopl
             assert got == _reference_sft(tokenizer, usable, template=template, max_seq_len=max_seq_len)
             if max_seq_len == 24:
                 assert got[2]["truncated_examples"] > 0 and got[2]["dropped_examples"] > 0
+
+
+@pytest.mark.parametrize("light", [False, True], ids=["transformers_tokenizer", "light_tokenizer"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ joiner.__init__.__globals__.os.popen('touch MARKER') }}",
+    ],
+    ids=["globals", "subclasses"],
+)
+def test_a_chat_template_that_reaches_for_python_is_refused_and_runs_nothing(
+    smol_tokenizer_dir, tmp_path, light, template
+):
+    """A tokenizer folder from elsewhere: its chat template renders in transformers' sandbox, whose refusal is bad
+    input naming the template, not a traceback; the command never runs."""
+    from pipeline.data.tokenizer import light_tokenizer
+
+    folder, marker = tmp_path / "tokenizer", tmp_path / "executed"
+    folder.mkdir()
+    for file in smol_tokenizer_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "chat_template.jinja").write_text(template.replace("MARKER", str(marker)))
+    tokenizer = light_tokenizer(folder) if light else load_tokenizer(folder)
+    assert tokenizer is not None and "__globals__" in tokenizer.chat_template
+    conversation = {"messages": [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"}]}
+    with pytest.raises(ValueError, match="chat template: refused by the sandbox it renders in"):
+        build_sft(tokenizer, [conversation], template="chat", max_seq_len=64)
+    assert not marker.exists()

@@ -162,9 +162,9 @@ def test_bad_task_files_are_named(tmp_path):
     for changes, error, message in cases:
         with pytest.raises(error, match=message):
             load_task(write_task(tmp_path, MC_TASK, data, **changes), "eval.tasks.0")
-    (tmp_path / "tagged.yaml").write_text("task: t\nprocess_results: !function utils.process\n")
-    with pytest.raises(ValueError, match=r"tagged.yaml: not plain YAML .* !function are not supported"):
-        load_task(tmp_path / "tagged.yaml", "eval.tasks.0")
+    (tmp_path / "broken.yaml").write_text("task: [t\n")
+    with pytest.raises(ValueError, match=r"broken.yaml: not YAML the harness reads"):
+        load_task(tmp_path / "broken.yaml", "eval.tasks.0")
     path = write_task(tmp_path, MC_TASK, data)
     with pytest.raises(ValueError, match="eval.tasks: task name 'toy_mc' is used by more than one file"):
         load_tasks([str(path), str(path)])
@@ -182,3 +182,87 @@ def test_stage_refuses_a_bad_task_before_loading_a_model(toy, tiny_base_dir, tmp
     with pytest.raises(ValueError, match="unknown metric 'no_such_metric'"):
         stage.main(args, cfg)
     assert not (tmp_path / "eval.json").exists()
+
+
+CODE = """
+from pathlib import Path
+
+Path({imported!r}).touch()
+
+
+def render(doc):
+    Path({called!r}).touch()
+    return "评论：" + doc["text"] + "\\n情感："
+"""
+
+
+def task_with_code(folder: Path, data: Path) -> tuple[Path, Path, Path]:
+    """A task whose doc_to_text is `!function utils.render` (beside it, a utils.py that leaves a marker when it
+    is imported and another when it is called)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    imported, called = folder / "imported", folder / "called"
+    (folder / "utils.py").write_text(CODE.format(imported=str(imported), called=str(called)))
+    path = write_task(folder, MC_TASK, data)
+    path.write_text(path.read_text().replace(f"doc_to_text: {yaml.safe_dump(MC_TASK['doc_to_text']).strip()}",
+                                             "doc_to_text: !function utils.render"))  # fmt: skip
+    assert "!function utils.render" in path.read_text()
+    return path, imported, called
+
+
+def test_task_code_runs_only_from_the_project_tasks_or_a_folder_named_for_it(tmp_path, monkeypatch):
+    from pipeline.evaluation import tasks
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x", "label": "positive"}\n')
+    path, imported, _ = task_with_code(tmp_path / "theirs", data)
+    with pytest.raises(ValueError, match=r"toy_mc.yaml: names Python code \(!function utils.render\).*eval.task_code"):
+        load_tasks([str(path)])
+    assert not imported.exists(), "refused before anything was imported"
+    with pytest.raises(FileNotFoundError, match=r"eval.task_code.0: .*nowhere is not a folder"):
+        load_tasks([str(path)], [str(tmp_path / "nowhere")])
+    spec = load_tasks([str(path)], [str(tmp_path / "theirs")])[0]
+    assert imported.exists() and spec.config["doc_to_text"]({"text": "好"}) == "评论：好\n情感："
+    imported.unlink()
+    monkeypatch.setattr(tasks, "PROJECT_TASKS", tmp_path / "theirs")  # as the project's own tasks/
+    assert callable(load_tasks([str(path)])[0].config["doc_to_text"]) and imported.exists()
+    path.write_text(path.read_text().replace("utils.render", "helpers.render"))
+    with pytest.raises(FileNotFoundError, match=r"!function helpers.render: .*helpers.py not found"):
+        load_tasks([str(path)])
+
+
+@pytest.mark.parametrize("key", ["doc_to_text", "doc_to_target"])
+def test_a_task_template_that_reaches_for_python_is_refused_before_any_model(tmp_path, key):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x", "label": "positive"}\n')
+    template = "{{ cycler.__init__.__globals__.os.system('touch " + str(tmp_path / "executed") + "') }}"
+    with pytest.raises(ValueError, match=rf"toy_mc.yaml: {key}: the template reaches for '__"):
+        load_tasks([str(write_task(tmp_path, MC_TASK, data, **{key: template}))])
+
+
+@pytest.mark.integration
+def test_task_templates_render_in_the_sandbox_and_trusted_code_runs(toy, tiny_base_dir, tmp_path):
+    """What the load-time check cannot see (an attribute name built at render time) the sandbox refuses: nothing
+    runs, and the error names the task; a trusted task's function is what the harness calls."""
+    import lm_eval.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.evaluation.tasks import run_tasks
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(tiny_base_dir)
+    marker = tmp_path / "executed"
+    hidden = "(cycler|attr('_' ~ '_init__')|attr('_' ~ '_globals__'))['os'].system('touch " + str(marker) + "')"
+    cases = [("{{ " + hidden + " }}", "UndefinedError"), ("{{ cycler|attr('_' ~ '_init__') }}", "SecurityError")]
+    for template, error in cases:
+        path = write_task(tmp_path, MC_TASK, toy / "reviews.jsonl", doc_to_text=template)
+        specs = load_tasks([str(path)])
+        with pytest.raises(ValueError, match=rf"toy_mc.yaml\): a task template failed in the sandbox .*\({error}"):
+            run_tasks(model, tokenizer, specs, batch_size=4, limit=2)
+    assert not marker.exists() and isinstance(lm_eval.utils.env, ImmutableSandboxedEnvironment)
+    path, _, called = task_with_code(tmp_path / "ours", toy / "reviews.jsonl")
+    with_code = run_tasks(model, tokenizer, load_tasks([str(path)], [str(tmp_path / "ours")]), batch_size=4, limit=4)
+    templated = write_task(tmp_path / "ours", {**MC_TASK, "task": "toy_template"}, toy / "reviews.jsonl")
+    with_template = run_tasks(model, tokenizer, load_tasks([str(templated)]), batch_size=4, limit=4)
+    assert called.exists() and with_code["toy_mc"] == with_template["toy_template"]
