@@ -122,7 +122,7 @@ def load_universal(engine, folder: Path) -> dict:
     """Place a universal checkpoint's fp32 masters and Adam moments into this engine's partitions (ZeRO 1-3, any
     world size), the module's own copy of each parameter too, and restore Adam's step, the LR scheduler and the
     engine's step counters; returns the source's model-state dict. Call on every rank."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from deepspeed.utils import safe_set_full_optimizer_state
 
     zero = folder / "zero"
     trainable = {n: p for n, p in engine.module.named_parameters() if p.requires_grad}
@@ -140,11 +140,10 @@ def load_universal(engine, folder: Path) -> dict:
             value = torch.load(zero / name / f"{kind}.pt", map_location="cpu", weights_only=True)["param"].float()
             if tuple(value.shape) != shape:
                 raise ValueError(f"{zero / name / kind}.pt: shape {tuple(value.shape)}, the model's is {shape}")
-            if hasattr(param, "ds_id"):
-                _place_zero3(param, value, None if kind == "fp32" else kind)
-            elif kind == "fp32":
-                safe_set_full_fp32_param(param, value)
-                param.data.copy_(value.to(param.dtype))  # ZeRO-1/2 keep the whole parameter on every rank
+            if kind == "fp32":
+                set_master(param, value)
+            elif hasattr(param, "ds_id"):
+                _place_zero3(param, value, kind)
             else:
                 safe_set_full_optimizer_state(param, value, kind)
         step = int(torch.load(zero / name / "step.pt", weights_only=True))
@@ -161,6 +160,19 @@ def load_universal(engine, folder: Path) -> dict:
     engine.global_samples = model_state.get("global_samples", 0)
     engine.skipped_steps = model_state.get("skipped_steps", 0)
     return model_state
+
+
+def set_master(param, value: torch.Tensor) -> None:
+    """A trainable parameter's full fp32 value into its fp32 master (this rank's partition under ZeRO-3, the mapped
+    copy under ZeRO-1/2 and DeepSpeed's bf16 optimizer) and into the module's own copy; without an optimizer that
+    keeps masters (fp32 under ZeRO-0), the module's tensor is the master. Call on every rank."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    if hasattr(param, "ds_id"):
+        _place_zero3(param, value, None)
+        return
+    safe_set_full_fp32_param(param, value)
+    param.data.copy_(value.to(param.dtype))  # ZeRO 0-2 keep the whole parameter on every rank
 
 
 def _place_zero3(param, value: torch.Tensor, key: str | None) -> None:

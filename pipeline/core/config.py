@@ -169,6 +169,7 @@ class TrainConfig(Section):
     eval_max_rows: int = Field(ge=0)
     save_every: int = PositiveInt
     keep_last: int = PositiveInt
+    init_adapter: str | None
     resume_from: str | None
     convert_layout: bool
     seed: int
@@ -178,6 +179,16 @@ class TrainConfig(Section):
         if self.warmup_steps >= self.max_steps:
             raise ValueError(
                 f"train.warmup_steps: must be < train.max_steps ({self.max_steps}), got {self.warmup_steps}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _reference(self) -> TrainConfig:
+        if self.objective == "dpo" and self.init_adapter is not None and self.reference == "step":
+            raise ValueError(
+                "train.reference: step takes the reference with the adapter disabled (the base), but "
+                "train.init_adapter starts from an adapter, which is DPO's reference; expected "
+                "train.reference=precomputed (that adapter's log-probabilities, before the first step)"
             )
         return self
 

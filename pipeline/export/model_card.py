@@ -49,14 +49,18 @@ OBJECTIVES = {"dpo": "DPO", "orpo": "ORPO", "simpo": "SimPO"}
 
 def _objective(train: dict) -> list[str]:
     """What the adapter was trained to do: next-token prediction, or a preference objective with its settings."""
-    kind = train.get("objective", "lm")
+    kind, start = train.get("objective", "lm"), train.get("init_adapter")
+    started = f", starting from the adapter `{start}` (`train.init_adapter`)" if start else ""
     if kind == "lm":
-        return ["Next-token prediction on the data above (`train.objective: lm`)."]
+        return [f"Next-token prediction on the data above (`train.objective: lm`){started}."]
     settings = f"beta {train['beta']}" + (f", gamma {train['simpo_gamma']}" if kind == "simpo" else "")
-    reference = " against the base with the adapter disabled as the reference" if kind == "dpo" else ""
+    reference = ""
+    if kind == "dpo":
+        reference = " against " + ("that adapter's model" if start else "the base with the adapter disabled")
+        reference += " as the reference"
     return [
         f"Preference tuning with {OBJECTIVES[kind]} ({settings}) on pairs of a chosen and a rejected response"
-        f"{reference} (`train.objective: {kind}`)."
+        f"{started}{reference} (`train.objective: {kind}`)."
     ]
 
 

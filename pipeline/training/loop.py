@@ -94,6 +94,23 @@ def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Object
     return loss, sum(len(row["input_ids"]) + len(row["rejected_input_ids"]) for row in rows), stats
 
 
+REFERENCE_KEY = "reference_logps"  # a checkpoint's precomputed DPO reference: {pair index: [chosen, rejected]}
+
+
+def _saved_reference(saved: dict | None, *, fingerprint: str, initial: bool) -> dict[int, torch.Tensor] | None:
+    """The precomputed reference this run's checkpoint kept (float64, as computed), if any: one of another run
+    (train.resume_from) belongs to its pairs. The initial model's reference cannot be computed again once the
+    adapter has trained: a resume without it is refused."""
+    if saved is not None and saved.get("fingerprint") == fingerprint and REFERENCE_KEY in saved:
+        return {int(i): torch.tensor(values, dtype=torch.float64) for i, values in saved[REFERENCE_KEY].items()}
+    if saved is not None and initial:
+        raise ValueError(
+            "train.init_adapter: DPO's reference is the adapter this run started from, which the checkpoint resumed "
+            "from does not keep (another run's, or written before it was kept); expected a checkpoint of this run"
+        )
+    return None
+
+
 def gathered_trainable(engine, moments: bool = False) -> dict[str, torch.Tensor]:
     """Every trainable parameter's full fp32 master value, and with `moments` its Adam moments under
     `NAME#exp_avg` and `NAME#exp_avg_sq` (a collective under ZeRO-3: call on all ranks)."""
@@ -150,14 +167,17 @@ def train(
         tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
         wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
     begin, first = time.perf_counter(), None  # first: (tokens, seconds) after this segment's first step (warm-up)
-    reference = None
-    if objective.kind == "dpo" and objective.reference == "precomputed":
-        order = (global_batch(s, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed) for s in
-                 range(start, schedule.max_steps))  # fmt: skip
-        needed = sorted({int(i) for batch in order for i in batch})
-        reference = precomputed_reference(
-            engine, train_rows, needed, rank=rank, world_size=world, micro=micro, pad_id=pad_id
-        )
+    reference = None  # DPO's precomputed reference: computed before the first step, kept in every checkpoint
+    if objective.kind == "dpo" and objective.reference != "step":
+        initial = objective.reference == "initial"
+        reference = _saved_reference(saved, fingerprint=run_state["fingerprint"], initial=initial)
+        if reference is None:
+            order = (global_batch(s, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed) for s
+                     in range(start, schedule.max_steps))  # fmt: skip
+            needed = sorted({int(i) for batch in order for i in batch})
+            reference = precomputed_reference(
+                engine, train_rows, needed, rank=rank, world_size=world, micro=micro, pad_id=pad_id, initial=initial
+            )
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
     with profiled_steps(rank=rank) as profile_step:
         for step in range(start, schedule.max_steps):
@@ -214,6 +234,8 @@ def train(
                     "wall_seconds": wall,
                     "memory_peaks_mb": peaks,
                 }
+                if reference is not None:
+                    state[REFERENCE_KEY] = {str(i): values.tolist() for i, values in reference.items()}
                 if done:
                     summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
                     steady = train_seconds - first[1]  # without the first step: CUDA and cuBLAS start in it

@@ -11,14 +11,14 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.checkpoints import folder
+from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.data.tokenizer import META, load_tokenizer
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
 from pipeline.training import ds_config as dsc
-from pipeline.training import memory_estimate
+from pipeline.training import initial, memory_estimate
 from pipeline.training.ds_config import Launch
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
@@ -27,9 +27,19 @@ FILE = "plan.json"
 # Not part of a training trajectory: reporting and checkpointing, how the global batch is split into micro-batches
 # and accumulation steps (a resume under another world size re-splits it), and how fast the same arithmetic runs.
 UNTRACKED_TRAIN_KEYS = (
-    "eval_every", "eval_max_rows", "save_every", "keep_last", "resume_from", "convert_layout", "micro_batch_size",
-    "gradient_accumulation_steps", "gradient_checkpointing", "kernels", "attention",
-)  # fmt: skip
+    "eval_every",
+    "eval_max_rows",
+    "save_every",
+    "keep_last",
+    "resume_from",
+    "convert_layout",
+    "micro_batch_size",
+    "gradient_accumulation_steps",
+    "gradient_checkpointing",
+    "kernels",
+    "attention",
+    "init_adapter",
+)  # fmt: skip  (init_adapter: its tensors' digest is tracked instead of its path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +97,7 @@ class Plan:
     run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
     pad_token_id: int
     objective: Objective
+    init_adapter: Path | None = None  # the adapter the run starts from (training.initial)
     resume: Resume = Resume()
 
 
@@ -155,6 +166,9 @@ def run_state(
     inputs = {
         name: folder.file_digest([path]) for name, path in (("tokenizer", paths.tokenizer), ("dataset", paths.dataset))
     }
+    if train.init_adapter is not None:
+        initial.check(Path(train.init_adapter), lora)
+        inputs["init_adapter"] = folder.file_digest([adapter.weights_file(Path(train.init_adapter))])
     launched = {k: v for k, v in dataclasses.asdict(launch).items() if k != "num_nodes"}
     return {
         "fingerprint": folder.fingerprint({**inputs, **identity}, settings),
@@ -227,8 +241,12 @@ def make(
         run_state=state,
         pad_token_id=pad or 0,
         objective=Objective(
-            kind=train.objective, beta=train.beta, simpo_gamma=train.simpo_gamma, reference=train.reference
+            kind=train.objective,
+            beta=train.beta,
+            simpo_gamma=train.simpo_gamma,
+            reference="initial" if train.init_adapter is not None else train.reference,
         ),
+        init_adapter=None if train.init_adapter is None else Path(train.init_adapter),
     )
 
 

@@ -29,7 +29,8 @@ class Objective:
     kind: str  # one of OBJECTIVES; lm: next-token loss on the rows as they are
     beta: float  # DPO's and SimPO's reward scale; ORPO's weight of the odds-ratio term
     simpo_gamma: float  # SimPO's target reward margin
-    reference: str = "step"  # DPO: step (computed in each step) | precomputed (once, before the first step)
+    reference: str = "step"  # DPO: step (the base, in each step) | precomputed (the base, once) | initial (the
+    # model the run starts from, train.init_adapter's, once before the first step)
 
 
 def pair_batch(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
@@ -137,10 +138,11 @@ def pair_loss(
 
 
 def precomputed_reference(
-    engine, rows, indices: list[int], *, rank: int, world_size: int, micro: int, pad_id: int
+    engine, rows, indices: list[int], *, rank: int, world_size: int, micro: int, pad_id: int, initial: bool = False
 ) -> dict[int, torch.Tensor]:
     """DPO's reference log-probabilities ([2]: chosen, rejected) of the pairs at `indices`, every rank computing
-    every world_size-th micro-batch of them and all ranks receiving all (one all-reduce)."""
+    every world_size-th micro-batch of them and all ranks receiving all (one all-reduce): the base's (the adapter
+    disabled), or with `initial` the model's as it is (before the first step: the adapter the run starts from)."""
     import deepspeed.comm as dist
 
     table = torch.zeros(len(indices), 2, dtype=torch.float64, device=engine.device)
@@ -150,7 +152,7 @@ def precomputed_reference(
         for start in mine:
             positions = list(range(start, min(start + micro, len(indices))))
             batch = pair_batch([rows[indices[p]] for p in positions], pad_id)
-            ref, _ = model_logps(engine, {k: v.to(engine.device) for k, v in batch.items()}, reference=True)
+            ref, _ = model_logps(engine, {k: v.to(engine.device) for k, v in batch.items()}, reference=not initial)
             table[positions] = torch.stack([ref[: len(positions)], ref[len(positions) :]], dim=1).double()
     engine.train()
     dist.all_reduce(table)

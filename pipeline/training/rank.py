@@ -190,7 +190,7 @@ def run(plan: Plan) -> None:
     """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
     from pipeline import kernels
     from pipeline.data.dataset import SplitRows
-    from pipeline.training import loop, resume
+    from pipeline.training import initial, loop, resume
     from pipeline.training.launch import exit_rank, leave_process_group
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -200,6 +200,8 @@ def run(plan: Plan) -> None:
     block = len(data["train"][0]["input_ids"])
     figures = load_figures(engine, loading)
     saved = resume.load(engine=engine, resume=plan.resume, seed=plan.schedule.seed)
+    if saved is None and plan.init_adapter is not None:  # a fresh start from an adapter, not from B = 0
+        initial.place(engine, plan.init_adapter)
     save_gathered(engine, plan.paths.loaded_state, moments=True)  # what the run continues from, as loaded
     installed |= kernels.settle(device=plan.launch.accelerator, enabled=plan.kernels)
     report, finish = reporting(plan, engine, block=block, load={**figures, "kernels": installed})

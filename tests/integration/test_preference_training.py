@@ -5,11 +5,13 @@ equals the uninterrupted one."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pipeline.core import config
@@ -123,3 +125,70 @@ def test_a_killed_dpo_run_resumes_as_if_uninterrupted(tmp_path, pref_inputs, tin
     assert f"resuming from {out / 'checkpoints' / first}" in rerun.stdout
     assert read_json(out / "metrics.json")["resumed_from_step"] == int(first.removeprefix("step_"))
     assert_same_training(out, whole, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def start_adapter(dpo_one_rank, tmp_path_factory) -> Path:
+    """An adapter to start from: the DPO run's, consolidated (any trained adapter of this base and LoRA does)."""
+    out = tmp_path_factory.mktemp("start") / "adapter"
+    command = [sys.executable, "-m", "pipeline", "consolidate", str(dpo_one_rank / "checkpoints"), str(out)]
+    done = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_dpo_from_an_adapter_starts_from_it_and_against_it(tmp_path, pref_inputs, tiny_base_dir, start_adapter):
+    """train.init_adapter under ZeRO-3 on 2 ranks: the run starts from the adapter's tensors exactly, and DPO's
+    reference is that model (base + adapter), not the base: at step 1 the policy is the reference, so the loss is
+    log 2 and both rewards are 0, although the adapter is far from the base."""
+    from safetensors.torch import load_file
+
+    from pipeline.checkpoints.adapter import WEIGHTS, peft_key
+
+    overrides = [*TINY, *DPO, *TWO_RANKS, "deepspeed=zero3", f"train.init_adapter={start_adapter}",
+                 "train.reference=precomputed"]  # fmt: skip
+    train(pref_inputs, tiny_base_dir, tmp_path, overrides, extra=("--loaded-state", str(tmp_path / "loaded.st")))
+    started, adapter = load_file(tmp_path / "loaded.st"), load_file(start_adapter / WEIGHTS)
+    masters = {peft_key(name): value for name, value in started.items() if "#" not in name}
+    head, embedding = "base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"
+    assert set(adapter) - set(masters) == {head} and torch.equal(adapter[head], adapter[embedding])  # tied: a copy
+    for name, value in masters.items():
+        torch.testing.assert_close(value, adapter[name].float(), atol=0, rtol=0, msg=name)
+    header, first = (tmp_path / "curve.csv").read_text().splitlines()[:2]
+    step_1 = dict(zip(header.split(","), first.split(","), strict=True))
+    assert abs(float(step_1["loss"]) - math.log(2)) < 1e-5, step_1
+    assert float(step_1["reward_chosen"]) == float(step_1["reward_rejected"]) == 0.0
+    assert read_json(tmp_path / "checkpoints" / "plan.json")["objective"]["reference"] == "initial"
+    final = {peft_key(name): value for name, value in load_file(tmp_path / "final.safetensors").items()}
+    assert max(float((final[k] - adapter[k].float()).abs().max()) for k in final) > 1e-4, "it trained on from there"
+
+
+def test_a_killed_dpo_run_from_an_adapter_resumes_with_its_reference(
+    tmp_path, pref_inputs, tiny_base_dir, start_adapter
+):
+    """The reference of the starting adapter cannot be computed again once the adapter has trained: the checkpoint
+    keeps it, and the resumed run equals the uninterrupted one."""
+    overrides = [*TINY, *DPO, *TWO_RANKS, "deepspeed=zero2", f"train.init_adapter={start_adapter}",
+                 "train.reference=precomputed"]  # fmt: skip
+    whole = tmp_path / "whole"
+    train(pref_inputs, tiny_base_dir, whole, overrides)
+    out = tmp_path / "killed"
+    first = killed_after_a_checkpoint(pref_inputs, tiny_base_dir, out, overrides)
+    state = read_json(out / "checkpoints" / first / "trainer_state.json")
+    assert len(state["reference_logps"]) > 0
+    train(pref_inputs, tiny_base_dir, out, overrides)
+    assert_same_training(out, whole, atol=1e-6)
+
+
+def test_an_adapter_of_other_lora_settings_is_refused_before_a_launch(
+    tmp_path, pref_inputs, tiny_base_dir, start_adapter
+):
+    overrides = [*TINY, *DPO, *ONE_RANK, "lora.r=8", f"train.init_adapter={start_adapter}",
+                 "train.reference=precomputed"]  # fmt: skip
+    done = train(pref_inputs, tiny_base_dir, tmp_path, overrides, check=False)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (
+        f"train.init_adapter: {start_adapter} is an adapter of other LoRA settings (lora.r: 8 (the adapter's: 4)"
+        in done.stderr
+    )
+    assert not (tmp_path / "checkpoints").exists()

@@ -57,6 +57,10 @@ def _defaults() -> dict:
         (lambda r: r["lora"].update(lr_ratio=0.0), "lora.lr_ratio: input should be greater than 0"),
         (lambda r: r["lora"].update(target_modules="all"), "lora.target_modules.literal['all-linear']: input should"),
         (
+            lambda r: r["train"].update(objective="dpo", init_adapter="artifacts/adapter", reference="step"),
+            "train.reference: step takes the reference with the adapter disabled (the base), but train.init_adapter",
+        ),
+        (
             lambda r: (r["lora"].update(quantization="nf4"), r["deepspeed"].update(stage=3, offload_param=True)),
             "deepspeed.offload_param: a quantized base (lora.quantization=nf4)",
         ),

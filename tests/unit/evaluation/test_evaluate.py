@@ -247,3 +247,60 @@ def test_a_model_goes_whole_on_each_gpu_that_holds_it_and_is_spread_only_where_n
     assert device_maps(int(FIT * 79 * gib) + 1, [79 * gib]) == ["auto"]
     parameters = sum(t.numel() for t in load_file(tiny_base_dir / "model.safetensors").values())
     assert model_bytes(tiny_base_dir, torch.bfloat16) == 2 * parameters
+
+
+def _response_logp(model, ids, labels) -> float:
+    """log p(response | prompt) of one row alone, from a plain forward (float64 log-softmax)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.as_tensor(ids)[None]).logits[0].double()
+    logps = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.as_tensor(ids[1:])[:, None]).squeeze(1)
+    return float(logps[torch.as_tensor(labels[1:]) != -100].sum())
+
+
+@pytest.mark.integration
+def test_preference_sets_score_each_model_as_plain_forwards_do(trained, tiny_base_dir, tmp_path, peoples_daily):
+    """eval.preference_sets: each model's preference accuracy, mean margin and (tuned models) reward accuracy in
+    eval.json and the report equal those of plain forwards over each response alone."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.evaluation.preference import load_pairs
+    from pipeline.evaluation.report import evaluation_table
+    from stages import evaluate as stage
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": text[:8], "chosen": text[8:40], "rejected": peoples_daily[k + 20][8:40]}
+        for k, text in enumerate(peoples_daily[:12])
+    ]
+    pairs.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    args, cfg = _stage_args(trained, tiny_base_dir, {"in_domain": str(trained / "in_domain.txt")}, tmp_path)
+    changes = {"preference_sets": {"pairs": str(pairs)}, "precision": "fp32"}
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update=changes)})
+    stage.main(args, cfg)
+    evaluation = read_json(tmp_path / "eval.json")
+    table = evaluation["preference"]["pairs"]
+    assert set(table) == {"base", "adapter", "merged"} and table["adapter"] == table["merged"]  # the proof passed
+    loaded = load_pairs(
+        load_tokenizer(tiny_base_dir), pairs, template=cfg.data.prompt_template, max_seq_len=cfg.data.max_seq_len,
+        key="pairs",
+    )  # fmt: skip
+    margins = {}
+    for name, folder in (("base", tiny_base_dir), ("merged", trained / "merged")):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        margins[name] = [
+            _response_logp(model, r["input_ids"], r["labels"])
+            - _response_logp(model, r["rejected_input_ids"], r["rejected_labels"])
+            for r in loaded
+        ]
+        figures = table[name]
+        assert figures["pairs"] == len(loaded) == len(rows)
+        assert figures["mean_margin"] == pytest.approx(sum(margins[name]) / len(loaded), abs=1e-4)
+        assert figures["preference_accuracy"] == pytest.approx(sum(m > 0 for m in margins[name]) / len(loaded))
+    rewards = [tuned - base for tuned, base in zip(margins["merged"], margins["base"], strict=True)]
+    assert "reward_accuracy" not in table["base"]
+    assert table["merged"]["reward_accuracy"] == pytest.approx(sum(r > 0 for r in rewards) / len(rewards))
+    assert table["base"]["mean_margin"] != pytest.approx(table["merged"]["mean_margin"], abs=1e-3), "adapter acts"
+    shown = [line for line in evaluation_table(evaluation) if line.startswith("pairs pairs")]
+    assert len(shown) == 3 and f"{table['base']['preference_accuracy']:.3f}" in shown[0]

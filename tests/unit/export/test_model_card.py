@@ -80,3 +80,18 @@ def test_card_for_publishing_carries_the_evaluation_tables(tmp_path):
     assert "with the evaluation tables" in done.stdout
     assert "| in_domain | base | 0.9 | 3.2 |" in card
     assert "| reviews_sentiment_mc | adapter | acc | 0.93 | 0.025643 | 100 |" in card
+
+
+def test_the_card_says_what_the_adapter_was_trained_for_and_from_what():
+    def body(*overrides: str) -> str:
+        params = config.validate(config.compose(REPO / "conf", list(overrides))).model_dump()
+        return _parts(model_card.render(kind="adapter", params=params, dataset=DATASET, training=TRAINING))[1]
+
+    assert "Next-token prediction on the data above (`train.objective: lm`)." in body()
+    assert "against the base with the adapter disabled as the reference (`train.objective: dpo`)" in body(
+        "experiment=dpo_reviews"
+    )
+    started = body("experiment=dpo_reviews", "train.init_adapter=sft/adapter", "train.reference=precomputed")
+    assert (
+        "starting from the adapter `sft/adapter` (`train.init_adapter`) against that adapter's model as the " in started
+    )
