@@ -83,8 +83,9 @@ def measure(
             "--run-id-file", str(work / "run.json"),
         ], check=True, env=env)  # fmt: skip
         metrics = read_json(work / "train.json")
+        baseline = None
         if eager:
-            eager = eager_rate(base=work / "base", block=block, steps=min(steps, 10), checkpointing=checkpointing)
+            baseline = eager_rate(base=work / "base", block=block, steps=min(steps, 10), checkpointing=checkpointing)
     name = torch.cuda.get_device_name(0)
     peak = peak_tflops(name)
     tokens_per_s = metrics["steady_tokens_per_s"] or metrics["tokens_per_s"]  # without the warm-up step
@@ -102,10 +103,10 @@ def measure(
         "target_tokens_per_s": 12_500,
         "target_mfu": 0.45,
     }
-    if eager:
-        figures["eager_tokens_per_s"] = round(eager["tokens_per_s"], 1)
-        figures["eager_peak_gpu_memory_mb"] = eager["peak_gpu_memory_mb"]
-        figures["speedup_vs_eager"] = round(tokens_per_s / eager["tokens_per_s"], 3)
+    if baseline is not None:
+        figures["eager_tokens_per_s"] = round(baseline["tokens_per_s"], 1)
+        figures["eager_peak_gpu_memory_mb"] = baseline["peak_gpu_memory_mb"]
+        figures["speedup_vs_eager"] = round(tokens_per_s / baseline["tokens_per_s"], 3)
     return figures
 
 

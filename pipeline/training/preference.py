@@ -116,17 +116,16 @@ def pair_loss(
     batch = {k: v.to(engine.device) for k, v in batch.items()}
     n = len(rows)
     logps, counts = model_logps(engine, batch)
+    references = {}
     if objective.kind == "dpo":
         if reference is None:
             ref, _ = model_logps(engine, batch, reference=True)
             reference = torch.stack([ref[:n], ref[n:]], dim=1)
         reference = reference.to(device=logps.device, dtype=logps.dtype)
-        reference = {"reference_chosen": reference[:, 0], "reference_rejected": reference[:, 1]}
-    else:
-        reference = {}
+        references = {"reference_chosen": reference[:, 0], "reference_rejected": reference[:, 1]}
     losses, reward_c, reward_r = pair_losses(
         objective, chosen=logps[:n], rejected=logps[n:], chosen_count=counts[:n], rejected_count=counts[n:],
-        **reference,
+        **references,
     )  # fmt: skip
     stats = {
         "pairs": float(n),

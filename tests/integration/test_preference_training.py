@@ -93,13 +93,23 @@ def test_dpo_learns_to_prefer_the_chosen_responses(dpo_one_rank):
     assert run["objective"] == {"kind": "dpo", "beta": 0.5, "simpo_gamma": 0.5, "reference": "step"}
 
 
-@pytest.mark.parametrize(("zero", "atol"), [("zero2", 1e-5), ("zero3", 3e-5)])
+@pytest.mark.parametrize(("zero", "atol"), [("zero0", 1e-5), ("zero1", 1e-5), ("zero2", 1e-5), ("zero3", 3e-5)])
 def test_two_ranks_train_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_dir, dpo_one_rank, zero, atol):
     """ZeRO-3 within 3e-5: it sums the trained tied embedding's two gradients (the head's, at the response
     positions only, and the lookup's) in another order; after 10 Adam steps at lr 2e-3, two of its 49,408 rows
     differ by 1.6-1.7e-5 from ZeRO-2's, on 1 rank as on 2 (measured), every other tensor within 5e-6."""
     train(pref_inputs, tiny_base_dir, tmp_path, [*TINY, *DPO, *TWO_RANKS, f"deepspeed={zero}"])
     assert_same_training(tmp_path, dpo_one_rank, atol=atol)
+
+
+def test_orpo_on_two_ranks_trains_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_dir):
+    """ORPO (no reference: the chosen response's NLL plus the odds-ratio term) through the DeepSpeed ranks."""
+    orpo = [*TINY, *DPO, "train.objective=orpo", "deepspeed=zero2"]
+    train(pref_inputs, tiny_base_dir, tmp_path / "one", [*orpo, *ONE_RANK])
+    train(pref_inputs, tiny_base_dir, tmp_path / "two", [*orpo, *TWO_RANKS])
+    assert_same_training(tmp_path / "two", tmp_path / "one", atol=1e-5)
+    first, *later = losses(tmp_path / "one")
+    assert first > 1.0 and sum(later[-3:]) / 3 < first, "ORPO's loss holds the chosen NLL: above log 2, falling"
 
 
 def test_a_precomputed_reference_trains_as_the_reference_of_each_step(

@@ -56,6 +56,13 @@ def test_consolidate_refuses_a_shard_that_runs_code(two_ranks_zero2, tmp_path, f
     assert not out.exists()
 
 
+def test_convert_to_universal_refuses_a_shard_that_runs_code(two_ranks_zero2, tmp_path):
+    marker, out = tmp_path / "executed", tmp_path / "universal"
+    target = crafted(two_ranks_zero2 / "checkpoints", tmp_path / "ckpt", "*optim_states.pt", marker)
+    refused(pipeline_command("convert", tmp_path / "ckpt", out, "--to", "universal"), target, marker)
+    assert not out.exists()
+
+
 def test_trust_pickles_lifts_the_check_for_your_own_files(two_ranks_zero2, tmp_path):
     marker, out = tmp_path / "executed", tmp_path / "adapter"
     crafted(two_ranks_zero2 / "checkpoints", tmp_path / "ckpt", "*optim_states.pt", marker)
