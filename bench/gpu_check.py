@@ -2,7 +2,8 @@
 with an untied head (the Llama-3 8B/70B case) trained by the train stage under ZeRO-2 and ZeRO-3, bf16, activation
 checkpointing on; each consolidated and compared with the live engine's tensors; the ZeRO-3 adapter merged (the
 merge stage's own proof) and base, adapter and merged model evaluated on the GPU; DPO on the packaged review pairs
-(the reference: the adapter disabled); QLoRA nf4 where bitsandbytes is installed; the `gpu`-marked unit tests (the
+(the reference: the adapter disabled), and under ZeRO-3 from the ZeRO-3 adapter (`train.init_adapter`, the reference:
+that adapter's model); QLoRA nf4 where bitsandbytes is installed; the `gpu`-marked unit tests (the
 speed paths against PyTorch's operators on CUDA) where pytest is; then `bench.gpu_train` (Llama-3-8B shape) unless
 --no-throughput. Every step runs even when one before it failed (those that need its output are
 skipped); the figures go to RESULTS/gpu_check.json after each step and every command's output to
@@ -129,11 +130,14 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
     steps_log.figures["parameters"] = write_random_llama(base, tokenizer, shape=shape)
     steps_log.record("random_base", {"ok": True, "seconds": round(time.perf_counter() - start, 1)})
 
-    def params(zero: int, quantized: bool = False, preference: bool = False) -> Path:
-        path = work / f"params_zero{zero}{'_nf4' if quantized else ''}{'_dpo' if preference else ''}.yaml"
+    def params(zero: int, quantized: bool = False, preference: bool = False, start: Path | None = None) -> Path:
+        name = f"zero{zero}{'_nf4' if quantized else ''}{'_dpo' if preference else ''}{'_from' if start else ''}"
+        path = work / f"params_{name}.yaml"
         chosen = overrides(
             base=base, corpus=corpus, accelerator=accelerator, zero=zero, steps=steps, block=block, quantized=quantized
         )
+        if start is not None:  # DPO on from a trained adapter, against it as the reference
+            chosen += [f"train.init_adapter={start}", "train.reference=precomputed"]
         if preference:
             chosen += [  # the packaged review pairs, longer than the text blocks
                 f"data.train_file={corpus / 'reviews_pref_train.jsonl'}",
@@ -193,6 +197,14 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
     if steps_log.figures["steps"]["train_dpo_zero2"]["ok"]:
         first = (out / "curve.csv").read_text().splitlines()[1].split(",")[1]
         steps_log.record("train_dpo_zero2", {"first_loss": float(first)})  # log 2: the adapter starts at B = 0
+    start, out = last / "adapter", work / "dpo_from_adapter"
+    train(steps_log, "train_dpo_from_adapter_zero3", out, stage(
+        "train", params(3, preference=True, start=start), base=base, tokenizer=tokenizer, dataset=pairs,
+        checkpoints=out / "ckpt", metrics=out / "train.json", curve=out / "curve.csv", **common,
+    ), needs=("cache_pairs", f"consolidate_zero{ZERO_STAGES[-1]}"))  # fmt: skip
+    if steps_log.figures["steps"]["train_dpo_from_adapter_zero3"]["ok"]:
+        first = (out / "curve.csv").read_text().splitlines()[1].split(",")[1]
+        steps_log.record("train_dpo_from_adapter_zero3", {"first_loss": float(first)})  # log 2: policy = reference
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:

@@ -103,8 +103,9 @@ def test_the_gpu_check_runs_its_chain_on_cpu(project, tmp_path):
     steps = figures["steps"]
     assert all(step["ok"] or "skipped" in step for step in steps.values()), steps
     ran = {name for name, s in steps.items() if s["ok"]}
-    assert {"train_zero2", "train_zero3", "merge", "evaluate", "train_dpo_zero2"} <= ran
+    assert {"train_zero2", "train_zero3", "merge", "evaluate", "train_dpo_zero2", "train_dpo_from_adapter_zero3"} <= ran
     assert steps["train_dpo_zero2"]["first_loss"] == pytest.approx(0.693147, abs=1e-5)  # log 2: B = 0 at step 1
+    assert steps["train_dpo_from_adapter_zero3"]["first_loss"] == pytest.approx(0.693147, abs=1e-5)  # policy = ref
     for zero in (2, 3):  # the consolidated adapter is the live engine's tensors, exactly
         assert steps[f"consolidate_zero{zero}"]["max_abs_diff_vs_live"] == 0.0
         assert steps[f"train_zero{zero}"]["checkpointed_layers"] > 0
