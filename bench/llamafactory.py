@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import venv
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -183,3 +185,40 @@ def tokenized_rows(tokenized: Path) -> dict[str, list]:
 if __name__ == "__main__":
     print(ensure_venv())
     sys.exit(0)
+
+
+def built(bench: str) -> bool:
+    """Whether the venv is there (ensure_venv built it; a smoke run never builds it), saying so where it is not."""
+    there = (VENV / ".complete").exists()
+    if not there:
+        print(f"{bench}: skipping LLaMA-Factory: {VENV} is not built (python -m bench.llamafactory)")
+    return there
+
+
+def alternate(runs: int, *, ours: Callable[[], dict], theirs: Callable[[], dict] | None, label: str):
+    """Both sides `runs` times, alternating (theirs first on odd rounds), each run's figures printed; without
+    `theirs`, ours alone. The two lists of runs."""
+    our, their = [], []
+    sides = [("ours", our, ours)] + ([("theirs", their, theirs)] if theirs is not None else [])
+    for i in range(runs):
+        for name, results, side in sides if i % 2 == 0 else sides[::-1]:
+            results.append(side())
+            print(f"{label} {name} run {i + 1}: {json.dumps(results[-1])}", flush=True)
+    return our, their
+
+
+def medians(our: list[dict], their: list[dict]) -> dict:
+    """Each side's median tokens/s, wall seconds and peak MB per rank, and (with their runs) ours over theirs."""
+    figures = {}
+    for side, runs in (("ours", our), ("llamafactory", their)):
+        if runs:
+            figures[f"{side}_tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in runs), 1)
+            figures[f"{side}_wall_s"] = round(statistics.median(r["wall_s"] for r in runs), 1)
+            figures[f"{side}_peak_mb_per_rank"] = round(statistics.median(r["peak_mb_per_rank"] for r in runs))
+    if their:
+        figures.update(
+            speedup=round(figures["ours_tokens_per_s"] / figures["llamafactory_tokens_per_s"], 3),
+            wall_ratio=round(figures["ours_wall_s"] / figures["llamafactory_wall_s"], 3),
+            memory_ratio=round(figures["ours_peak_mb_per_rank"] / figures["llamafactory_peak_mb_per_rank"], 3),
+        )
+    return figures

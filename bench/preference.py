@@ -23,7 +23,6 @@ import csv
 import json
 import math
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -207,44 +206,24 @@ def theirs(setup: Setup, work: Path, data: Path, precision: str) -> dict:
             "losses": llamafactory.step_losses(run)[:FIRST]}  # fmt: skip
 
 
-def median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def compare(setup: Setup, work: Path, data: Path, *, precision: str, runs: int, peer: bool) -> dict:
-    """Both sides `runs` times, alternating (theirs first on odd rounds); medians, ratios and the first losses (the
-    first run's: a run repeats them). Without `peer`, ours alone."""
-    our, their = [], []
-    for i in range(runs):
-        sides = [("ours", our), ("theirs", their)] if peer else [("ours", our)]
-        for name, results in sides if i % 2 == 0 else sides[::-1]:
-            if name == "ours":
-                results.append(ours(setup, work, precision))
-            else:
-                results.append(theirs(setup, work, data, precision))
-            print(f"bench.preference: {precision} {name} run {i + 1}: {json.dumps(results[-1])}", flush=True)
-    figures = {
-        "ours_tokens_per_s": round(median(our, "tokens_per_s"), 1),
-        "ours_wall_s": round(median(our, "wall_s"), 1),
-        "ours_peak_mb_per_rank": round(median(our, "peak_mb_per_rank")),
-        "ours_tokens": our[0]["tokens"],
-        "ours_first_losses": [round(x, 8) for x in our[0]["losses"]],
-        "runs": {"ours": our},
-    }
+    """Both sides `runs` times, alternating; medians, ratios and the first losses (the first run's: a run repeats
+    them). Without `peer`, ours alone."""
+    our, their = llamafactory.alternate(
+        runs, ours=lambda: ours(setup, work, precision),
+        theirs=(lambda: theirs(setup, work, data, precision)) if peer else None,
+        label=f"bench.preference: {precision}",
+    )  # fmt: skip
+    figures = llamafactory.medians(our, their)
+    figures.update(
+        ours_tokens=our[0]["tokens"], ours_first_losses=[round(x, 8) for x in our[0]["losses"]], runs={"ours": our}
+    )
     if not peer:
         return figures
-    figures.update(
-        llamafactory_tokens_per_s=round(median(their, "tokens_per_s"), 1),
-        llamafactory_wall_s=round(median(their, "wall_s"), 1),
-        llamafactory_peak_mb_per_rank=round(median(their, "peak_mb_per_rank")),
-        llamafactory_tokens=their[0]["tokens"],
-        llamafactory_first_losses=[round(x, 8) for x in their[0]["losses"]],
-    )
     pairs = list(zip(our[0]["losses"], their[0]["losses"], strict=False))
     figures.update(
-        speedup=round(figures["ours_tokens_per_s"] / figures["llamafactory_tokens_per_s"], 3),
-        wall_ratio=round(figures["ours_wall_s"] / figures["llamafactory_wall_s"], 3),
-        memory_ratio=round(figures["ours_peak_mb_per_rank"] / figures["llamafactory_peak_mb_per_rank"], 3),
+        llamafactory_tokens=their[0]["tokens"],
+        llamafactory_first_losses=[round(x, 8) for x in their[0]["losses"]],
         first_losses_max_diff=round(max(abs(a - b) for a, b in pairs), 8),
         first_losses_equal=all(abs(a - b) <= LOSS_TOLERANCE for a, b in pairs),
         step1_log2=all(abs(x - math.log(2)) <= LOSS_TOLERANCE for x in pairs[0]),
@@ -291,11 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         report("preference", figures, results)
         print(table(figures))
         return
-    peer = (llamafactory.VENV / ".complete").exists()  # built by ensure_venv; the smoke never builds it
-    if not peer:
-        print(
-            f"bench.preference: skipping LLaMA-Factory: {llamafactory.VENV} is not built (python -m bench.llamafactory)"
-        )
+    peer = llamafactory.built("bench.preference")
     precisions = [p for p in args.precisions or ["fp32"] if p != "bf16" or native_bf16("cpu")]
     with smoke_project(args.project) as project:
         setup = replace(SMOKE, root=project, steps=args.steps or SMOKE.steps)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -148,48 +147,25 @@ def eager(setup: Setup, work: Path, kind: str, precision: str) -> float:
     return sum(json.loads(w.communicate()[0].strip().splitlines()[-1])["tokens_per_s"] for w in workers)
 
 
-def median(runs: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
-
-
 def compare(setup: Setup, work: Path, data: Path, *, kind: str, precision: str, runs: int, peer: bool) -> dict:
-    """Both sides `runs` times, alternating (theirs first on odd rounds), and the eager rate; medians and ratios.
-    Without `peer`, ours and eager alone."""
+    """Both sides `runs` times, alternating, and the eager rate; medians and ratios. Without `peer`, ours and eager
+    alone."""
     if peer:
         llamafactory.tokenize_once(
             work / f"llamafactory_tokenize_{kind}", base=setup.base, data=data, kind=kind, block=setup.block,
             tokenized=work / f"llamafactory_tokenized_{kind}", ranks=setup.ranks,
         )  # fmt: skip
-    our, their = [], []
-    for i in range(runs):
-        sides = [("ours", our), ("theirs", their)] if peer else [("ours", our)]
-        for name, results in sides if i % 2 == 0 else sides[::-1]:
-            if name == "ours":
-                results.append(ours(setup, work, kind, precision))
-            else:
-                results.append(theirs(setup, work, data, kind, precision))
-            print(f"bench.train: {kind} {precision} {name} run {i + 1}: {json.dumps(results[-1])}", flush=True)
+    our, their = llamafactory.alternate(
+        runs, ours=lambda: ours(setup, work, kind, precision),
+        theirs=(lambda: theirs(setup, work, data, kind, precision)) if peer else None,
+        label=f"bench.train: {kind} {precision}",
+    )  # fmt: skip
     eager_rate = eager(setup, work, kind, precision)
-    figures = {
-        "ours_tokens_per_s": round(median(our, "tokens_per_s"), 1),
-        "eager_tokens_per_s": round(eager_rate, 1),
-        "ours_wall_s": round(median(our, "wall_s"), 1),
-        "ours_peak_mb_per_rank": round(median(our, "peak_mb_per_rank")),
-        "runs": {"ours": our},
-    }
-    figures["over_eager"] = round(figures["ours_tokens_per_s"] / eager_rate, 3)
-    if not peer:
-        return figures
+    figures = llamafactory.medians(our, their)
     figures.update(
-        llamafactory_tokens_per_s=round(median(their, "tokens_per_s"), 1),
-        llamafactory_wall_s=round(median(their, "wall_s"), 1),
-        llamafactory_peak_mb_per_rank=round(median(their, "peak_mb_per_rank")),
-    )
-    figures.update(
-        speedup=round(figures["ours_tokens_per_s"] / figures["llamafactory_tokens_per_s"], 3),
-        wall_ratio=round(figures["ours_wall_s"] / figures["llamafactory_wall_s"], 3),
-        memory_ratio=round(figures["ours_peak_mb_per_rank"] / figures["llamafactory_peak_mb_per_rank"], 3),
-        runs={"ours": our, "llamafactory": their},
+        eager_tokens_per_s=round(eager_rate, 1),
+        over_eager=round(figures["ours_tokens_per_s"] / eager_rate, 3),
+        runs={"ours": our, "llamafactory": their} if peer else {"ours": our},
     )
     return figures
 
@@ -224,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         report("train", figures, results)
         print(table(figures))
         return
-    peer = (llamafactory.VENV / ".complete").exists()  # built by ensure_venv; the smoke never builds it
-    if not peer:
-        print(f"bench.train: skipping LLaMA-Factory: {llamafactory.VENV} is not built (python -m bench.llamafactory)")
+    peer = llamafactory.built("bench.train")
     precisions = [p for p in args.precisions or ["fp32"] if p != "bf16" or native_bf16("cpu")]
     with smoke_project(args.project) as project:
         figures = measure(replace(SMOKE, root=project), kinds=args.kinds, precisions=precisions, runs=1, peer=peer)

@@ -43,8 +43,10 @@ def place(engine, folder: Path) -> None:
 
     _, tensors = adapter.read(folder)
     trainable = {adapter.peft_key(n): p for n, p in engine.module.named_parameters() if p.requires_grad}
-    placed = {tensors[name].digest() for name in set(trainable) & set(tensors)}
-    tied = {name for name in set(tensors) - set(trainable) if tensors[name].digest() in placed}  # a tied head's copy
+    extra = set(tensors) - set(trainable)  # allowed where a copy of a trained tensor: a tied head beside its embedding
+    shapes = {tuple(tensors[name].shape) for name in extra}
+    placed = {tensors[n].digest() for n in set(trainable) & set(tensors) if tuple(tensors[n].shape) in shapes}
+    tied = {name for name in extra if tensors[name].digest() in placed}
     if set(trainable) != set(tensors) - tied:
         only_theirs, only_ours = sorted(set(tensors) - tied - set(trainable)), sorted(set(trainable) - set(tensors))
         raise ValueError(

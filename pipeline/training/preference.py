@@ -10,6 +10,7 @@ reference: they use the responses' mean log-probabilities (per token), DPO their
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -47,10 +48,11 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     (`logits_to_keep`; a trained head's gradient needs them)."""
     targets = shifted(batch["labels"])
     keep = targets != IGNORE_INDEX
-    if getattr(_causal_lm(model), FUSED_TARGET_LOGPS, False):
+    lm = _causal_lm(model)
+    if getattr(lm, FUSED_TARGET_LOGPS, False):
         values = model(input_ids=batch["input_ids"], labels=batch["labels"], target_logps=True).logps
     else:
-        if _keeps_logits(model):
+        if _keeps_logits(type(lm)):
             logits = model(input_ids=batch["input_ids"], logits_to_keep=keep).logits  # [labelled positions, vocab]
         else:
             logits = model(input_ids=batch["input_ids"]).logits[keep]
@@ -60,9 +62,10 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     return per_position.sum(-1), keep.sum(-1)
 
 
-def _keeps_logits(model) -> bool:
-    """Whether the causal LM inside `model` takes `logits_to_keep` (a mask of the positions to compute logits at)."""
-    return "logits_to_keep" in inspect.signature(type(_causal_lm(model)).forward).parameters
+@functools.cache
+def _keeps_logits(causal_lm: type) -> bool:
+    """Whether a causal LM class takes `logits_to_keep` (a mask of the positions to compute logits at)."""
+    return "logits_to_keep" in inspect.signature(causal_lm.forward).parameters
 
 
 def _causal_lm(model) -> torch.nn.Module:
