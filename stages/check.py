@@ -41,8 +41,8 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     """What the train stage would refuse, found now: the batch arithmetic, precision and ranks on this machine's
     world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
     header, on the meta device)."""
+    from pipeline.launching import cluster, preflight
     from pipeline.model import lora, outline
-    from pipeline.training import cluster, preflight
     from pipeline.training import ds_config as dsc
 
     errors = []

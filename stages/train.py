@@ -7,8 +7,10 @@ from pathlib import Path
 
 from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
-from pipeline.training import cluster, launch, plan, preflight, resume
+from pipeline.launching import cluster, preflight
+from pipeline.launching import ranks as launch
 from pipeline.training import ds_config as dsc
+from pipeline.training import plan, resume
 from pipeline.training.figures import write_curve
 from stages._common import run
 

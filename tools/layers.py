@@ -11,7 +11,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ORDER = ("core", "data", "tracking", "checkpoints", "model", "kernels", "training", "merge", "evaluation", "export")
+ORDER = (  # the packages, lowest first
+    *("core", "data", "tracking", "checkpoints", "model", "kernels"),
+    *("launching", "training", "merge", "evaluation", "export"),
+)
 TOP = ("cli", "__main__")  # above every package
 
 

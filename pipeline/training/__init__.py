@@ -4,8 +4,7 @@
   dataclasses, written as `plan.json`: the only thing a rank reads.
 - `resume`: the one decision that a run is finished; the checkpoint folder made ready (another configuration's
   moved aside, another layout converted to the universal one); the ranks' load of what they continue from.
-- `launch`: this node's ranks started early, released once the plan is written (the deepspeed launcher on several
-  nodes), ended together; stale op-build locks and shared memory cleared; the ops built once (`make setup`).
+- (`pipeline.launching` starts the ranks, on this node or several.)
 - `rank`: one rank (`python -m pipeline.training.rank --plan P`): the engine with the kernels the plan's switch
   chooses, reporting (rank 0: MLflow, TensorBoard, progress), the loop, the final figures.
 - `loop`: resume point to last step: accumulate, step, validate, checkpoint, report.

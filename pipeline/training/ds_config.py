@@ -59,7 +59,7 @@ class Launch:
 
 def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
     """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine."""
-    from pipeline.training import cluster
+    from pipeline.launching import cluster
 
     nodes = cluster.resolve(launcher)
     accelerator = accelerator_name(launcher.accelerator)

@@ -190,8 +190,8 @@ def run(plan: Plan) -> None:
     """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
     from pipeline import kernels
     from pipeline.data.dataset import SplitRows
+    from pipeline.launching.ranks import exit_rank, leave_process_group
     from pipeline.training import initial, loop, resume
-    from pipeline.training.launch import exit_rank, leave_process_group
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, installed = build_engine(plan)
@@ -239,8 +239,8 @@ def main() -> None:
     from pipeline.core import imports
     from pipeline.core.errors import guarded
     from pipeline.core.quiet import quiet_third_parties
-    from pipeline.training.launch import KEEP_BITSANDBYTES, released
-    from pipeline.training.world import join
+    from pipeline.launching.ranks import KEEP_BITSANDBYTES, released
+    from pipeline.launching.rendezvous import join
 
     quiet_third_parties()
     if os.environ.get(KEEP_BITSANDBYTES) != "1":  # known before the plan is read: the imports come first

@@ -16,9 +16,9 @@ from safetensors.torch import save_file
 
 from pipeline.checkpoints import folder
 from pipeline.core.precision import DTYPES
+from pipeline.launching.ranks import leave_process_group
 from pipeline.model.lora import LoraSpec, load_lora_model, parameter_groups
 from pipeline.training import ds_config, loop
-from pipeline.training.launch import leave_process_group
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR, WEIGHT_DECAY, RATIO = 1e-2, 0.01, 16.0

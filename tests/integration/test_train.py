@@ -146,13 +146,14 @@ def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, t
 
 
 def test_manual_nodes_join_node_0_s_launch(tmp_path, inputs, tiny_base_dir, reference):
-    """launcher=manual: node 0 runs the train stage, node 1 only `pipeline.training.join` (as a scheduler would start
-    it, before node 0); one world of two ranks trains what one rank trains, checkpoints in the one shared folder."""
+    """launcher=manual: node 0 runs the train stage, node 1 only `pipeline.launching.manual_node` (as a scheduler
+    would start it, before node 0); one world of two ranks trains what one rank trains, checkpoints in the one shared
+    folder."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     overrides = [*TINY, "launcher=manual", f"launcher.hostfile={hostfile}", f"launcher.master_port={free_port()}",
                  "train.gradient_accumulation_steps=2"]  # fmt: skip
-    join = [sys.executable, "-m", "pipeline.training.join", "--checkpoints", str(tmp_path / "checkpoints"),
+    join = [sys.executable, "-m", "pipeline.launching.manual_node", "--checkpoints", str(tmp_path / "checkpoints"),
             "--node-rank", "1", "--timeout", "300"]  # fmt: skip
     node1 = subprocess.Popen(join, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     node0 = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)

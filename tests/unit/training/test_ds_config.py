@@ -57,7 +57,7 @@ def test_hierarchical_partitioning_is_set_for_zero3_within_the_world():
 def test_ranks_share_the_node_s_cores_on_every_accelerator(monkeypatch):
     import os
 
-    from pipeline.training.launch import rank_environment
+    from pipeline.launching.ranks import rank_environment
 
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.environment import free_port
-from pipeline.training.launch import SHM, Ranks, remove_stale_shm_buffers
+from pipeline.launching.ranks import SHM, Ranks, remove_stale_shm_buffers
 from tests.conftest import REPO
 
 
@@ -38,7 +38,7 @@ def test_only_the_buffers_of_finished_launches_are_removed():
 RANK = """
 import json, os, sys
 from pathlib import Path
-from pipeline.training.launch import released
+from pipeline.launching.ranks import released
 out = Path(sys.argv[1]) / os.environ["RANK"]
 out.with_suffix(".waiting").touch()
 message = released()
@@ -51,7 +51,7 @@ STAGE = """
 import os, signal, sys, time
 from pathlib import Path
 from pipeline.core.environment import free_port
-from pipeline.training.launch import Ranks
+from pipeline.launching.ranks import Ranks
 folder = Path(sys.argv[1])
 ranks = Ranks([sys.executable, "-c", sys.argv[2], str(folder)], ranks=2, env=dict(os.environ),
               master_addr="127.0.0.1", master_port=free_port())

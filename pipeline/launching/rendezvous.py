@@ -58,8 +58,8 @@ def join(*, hosts: Sequence[str], ranks_per_node: int, timeout_s: float) -> None
         absent = ", ".join(missing_nodes(joined, hosts=hosts, ranks_per_node=ranks_per_node))
         raise ValueError(
             f"train: {absent} did not join the rendezvous at {where} within {timeout_s:g} s ({hint}); expected "
-            "its launcher to run (launcher=manual: `python -m pipeline.training.join` on that node) and to reach "
-            f"{where}"
+            "its launcher to run (launcher=manual: `python -m pipeline.launching.manual_node` on that node) and to "
+            f"reach {where}"
         ) from None
     backend = get_accelerator().communication_backend_name()
     if backend == "nccl":

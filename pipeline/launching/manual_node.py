@@ -1,4 +1,4 @@
-"""Node K of a `launcher=manual` run joins the world: `python -m pipeline.training.join --checkpoints DIR
+"""Node K of a `launcher=manual` run joins the world: `python -m pipeline.launching.manual_node --checkpoints DIR
 --node-rank K`, started on every node but node 0 by you or your scheduler (node 0 runs `dvc repro`). It waits until
 node 0's train stage opens a launch (launch.json beside the plan, in the checkpoint folder every node shares), checks
 that this node runs node 0's code and packages, and starts this node's ranks with the environment node 0 gave them;
@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.training import preflight
-from pipeline.training.cluster import Cluster
-from pipeline.training.launch import LAUNCH_FILE, launcher_command
+from pipeline.launching import preflight
+from pipeline.launching.cluster import Cluster
+from pipeline.launching.ranks import LAUNCH_FILE, launcher_command
 
 
 def wait_for_launch(checkpoints: Path, timeout_s: float) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.core import config
-from pipeline.training import cluster
+from pipeline.launching import cluster
 from tests.conftest import REPO
 
 
@@ -74,7 +74,7 @@ def test_a_slurm_node_launches_its_ranks_on_the_gpus_slurm_gave_it():
     import base64
     import json
 
-    from pipeline.training.slurm_node import launch_command, node_ids
+    from pipeline.launching.slurm_node import launch_command, node_ids
 
     assert node_ids("2,3", 2) == [2, 3] and node_ids(None, 2) == [0, 1] and node_ids("5", 2) == [0, 1]
     assert node_ids("GPU-aa,GPU-bb", 2) == ["GPU-aa", "GPU-bb"]

@@ -1,6 +1,6 @@
 """Before ranks start on several nodes: every node reachable, running the same code and the same packages as this
 one, and seeing the same checkpoint folder (every rank writes its own shards there, rank 0 the tag a resume reads).
-Each node runs `python -m pipeline.training.preflight` (over ssh, or through srun inside a Slurm allocation): it
+Each node runs `python -m pipeline.launching.preflight` (over ssh, or through srun inside a Slurm allocation): it
 reports its identity and whether it sees the head's probe file, and writes its own for the head to read. A node
 that fails any of it is refused by name, with what to do, before the collective starts."""
 
@@ -19,7 +19,7 @@ import uuid
 from importlib import metadata
 from pathlib import Path
 
-from pipeline.training.cluster import Cluster
+from pipeline.launching.cluster import Cluster
 
 CODE = ("pipeline", "stages")  # the folders whose Python the ranks and stages run; dvc.lock names the inputs
 PROBES = ".preflight"
@@ -68,7 +68,7 @@ def ssh_options() -> list[str]:
 def node_command(*, checkpoints: Path | None, token: str, node: str) -> str:
     """The shell command a node runs: this interpreter, in this folder (both at the same paths on every node)."""
     folder = [] if checkpoints is None else ["--checkpoints", str(checkpoints.resolve())]
-    args = [sys.executable, "-m", "pipeline.training.preflight", *folder, "--token", token, "--node", node]
+    args = [sys.executable, "-m", "pipeline.launching.preflight", *folder, "--token", token, "--node", node]
     return f"cd {shlex.quote(str(Path.cwd()))} && {shlex.join(args)}"
 
 

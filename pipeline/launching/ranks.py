@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from pipeline.core.environment import clear_stale_build_locks, extensions_dir, free_port, with_venv_path
-from pipeline.training.cluster import Cluster
+from pipeline.launching.cluster import Cluster
 
 RANK_MODULE = "pipeline.training.rank"
 KEEP_BITSANDBYTES = "TRAIN_KEEP_BITSANDBYTES"  # "1": the ranks' base is quantized (they import it before the plan)
@@ -252,7 +252,7 @@ def remote_environment(env: dict[str, str]) -> dict[str, str]:
 def announce(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str], port: int) -> None:
     """Write beside the plan what the joining nodes of a launcher=manual run need (launch.json): where the ranks
     meet, their environment, and node 0's code and packages to compare theirs with."""
-    from pipeline.training import preflight
+    from pipeline.launching import preflight
 
     carried = remote_environment(env)
     launch = {"plan": str(plan.resolve()), "ranks": ranks, "hosts": list(cluster.hosts), "hostfile":
@@ -270,7 +270,7 @@ def launcher_command(cluster: Cluster, *, ranks: int, plan: Path, port: int, nod
         return ["deepspeed", "--log_level", "warning", "--hostfile", str(cluster.hostfile), "--launcher", "pdsh",
                 "--no_ssh_check", *rendezvous, *rank]  # fmt: skip
     if cluster.mode == "slurm":  # each node: DeepSpeed's launch with its rank and GPUs from Slurm
-        node = [sys.executable, "-m", "pipeline.training.slurm_node", "--hosts", ",".join(cluster.hosts), "--ranks",
+        node = [sys.executable, "-m", "pipeline.launching.slurm_node", "--hosts", ",".join(cluster.hosts), "--ranks",
                 str(ranks), f"--master_addr={cluster.master_addr}", f"--master_port={port}", *rank]  # fmt: skip
         return ["srun", "--nodes", str(len(cluster.hosts)), "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
                 "--export=ALL", *node]  # fmt: skip

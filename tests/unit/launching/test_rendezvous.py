@@ -1,6 +1,6 @@
 """Naming the nodes of a rendezvous that did not complete."""
 
-from pipeline.training.world import missing_nodes, node_of
+from pipeline.launching.rendezvous import missing_nodes, node_of
 
 HOSTS = ("gpu-a", "gpu-b", "gpu-c")
 
