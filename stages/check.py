@@ -42,12 +42,12 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
     header, on the meta device)."""
     from pipeline.launching import cluster, preflight
+    from pipeline.launching.settings import resolve_launch
     from pipeline.model import lora, outline
-    from pipeline.training import ds_config as dsc
 
     errors = []
     try:
-        dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        resolve_launch(train=cfg.train, launcher=cfg.launcher)
         if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:

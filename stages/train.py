@@ -9,7 +9,7 @@ from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
 from pipeline.launching import cluster, preflight
 from pipeline.launching import ranks as launch
-from pipeline.training import ds_config as dsc
+from pipeline.launching.settings import resolve_launch
 from pipeline.training import plan, resume
 from pipeline.training.figures import write_curve
 from stages._common import run
@@ -18,7 +18,7 @@ from stages._common import run
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if cfg.lora.quantization == "none":
         imports.without_unused()  # a base without an outline is outlined from its architecture: model code
-    settings = dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+    settings = resolve_launch(train=cfg.train, launcher=cfg.launcher)
     nodes = cluster.resolve(cfg.launcher)
     if nodes.mode in ("ssh", "slurm"):
         preflight.check_nodes(nodes, checkpoints=args.checkpoints)

@@ -1,6 +1,8 @@
 """Starting a run's DeepSpeed ranks on one node or several, before any of them trains (imports core and kernels
 only; `training` runs on top of it):
 
+- `settings`: what `auto` means here (accelerator, ranks per node, precision, accumulation, attention) and the
+  nodes, resolved once by the stage: `Launch`.
 - `cluster`: the nodes as the `launcher` config group names them (local, ssh, slurm, manual): hosts, slots, where
   the ranks meet.
 - `preflight`: before a multi-node launch, every node reachable, running this node's code and packages, sharing

@@ -15,11 +15,11 @@ from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.data.tokenizer import META, load_tokenizer
+from pipeline.launching.settings import Launch
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
 from pipeline.training import ds_config as dsc
 from pipeline.training import initial, memory_estimate
-from pipeline.training.ds_config import Launch
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
 

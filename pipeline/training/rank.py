@@ -10,8 +10,8 @@ import os
 import resource
 from pathlib import Path
 
+from pipeline.launching.settings import FLASH
 from pipeline.training import plan as plans
-from pipeline.training.ds_config import FLASH
 from pipeline.training.plan import Plan
 
 

@@ -1,30 +1,11 @@
-"""The launch and DeepSpeed settings made concrete for the machine: a global batch that follows the world unless it
-is stated, pinned offload on GPUs, lean ZeRO-3 gathers on CPU ranks."""
+"""The DeepSpeed config made concrete for the machine: pinned offload on GPUs, lean ZeRO-3 gathers on CPU ranks,
+hierarchical partitioning within the world."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import REPO
-
-
-def test_an_auto_global_batch_grows_with_the_world_and_a_stated_one_is_checked():
-    from pipeline.core import config
-    from pipeline.training.ds_config import resolve_launch
-
-    def launch(world: int, *overrides: str):
-        cfg = config.Config(**config.compose(REPO / "conf", [f"launcher.ranks_per_node={world}", *overrides]))
-        return resolve_launch(train=cfg.train, launcher=cfg.launcher)
-
-    for world in (1, 2, 8, 16):  # the default: one row per rank and step
-        got = launch(world, "launcher.accelerator=cpu")
-        assert (got.global_batch_size, got.gradient_accumulation_steps) == (world, 1)
-    got = launch(8, "launcher.accelerator=cpu", "train.gradient_accumulation_steps=4", "train.micro_batch_size=2")
-    assert (got.global_batch_size, got.gradient_accumulation_steps) == (64, 4)
-    got = launch(8, "launcher.accelerator=cpu", "train.global_batch_size=32")
-    assert (got.global_batch_size, got.gradient_accumulation_steps) == (32, 4)
-    with pytest.raises(ValueError, match=r"train.global_batch_size: 2 is not a multiple of .* world size \(8\)"):
-        launch(8, "launcher.accelerator=cpu", "train.global_batch_size=2")
 
 
 def test_offloaded_states_are_pinned_on_gpus_and_gathers_lean_on_cpu_ranks():
@@ -52,45 +33,3 @@ def test_hierarchical_partitioning_is_set_for_zero3_within_the_world():
         build(zero=ZeroSettings(stage=3, hpz_partition_size=8), world_size=12, **common)
     with pytest.raises(ValueError, match="deepspeed.hpz_partition_size: needs deepspeed.stage=3, got stage=2"):
         config.Config(**config.compose(REPO / "conf", ["deepspeed.hpz_partition_size=8"]))
-
-
-def test_ranks_share_the_node_s_cores_on_every_accelerator(monkeypatch):
-    import os
-
-    from pipeline.launching.ranks import rank_environment
-
-    cores = len(os.sched_getaffinity(0))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    for accelerator, ranks in (("cpu", 2), ("cuda", 8), ("cuda", 1)):
-        env = rank_environment(accelerator=accelerator, ranks_per_node=ranks, kernels="auto", keep_bitsandbytes=False)
-        assert env["OMP_NUM_THREADS"] == str(max(1, cores // ranks)) and env["DS_ACCELERATOR"] == accelerator
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice is kept
-    assert (
-        rank_environment(accelerator="cuda", ranks_per_node=8, kernels="auto", keep_bitsandbytes=False)[
-            "OMP_NUM_THREADS"
-        ]
-        == "3"
-    )
-
-
-def test_attention_is_flash_where_it_can_run_and_a_choice_that_cannot_is_named():
-    from pipeline.core import config
-    from pipeline.training.ds_config import FLASH, attention_implementation, resolve_launch
-
-    def choose(requested: str, accelerator: str = "cuda", precision: str = "bf16", installed: bool = True) -> str:
-        return attention_implementation(
-            requested, accelerator=accelerator, precision=precision, flash_installed=installed
-        )
-
-    assert choose("auto") == FLASH
-    assert choose("auto", installed=False) == choose("auto", precision="fp32") == choose("auto", "cpu") == "sdpa"
-    assert choose("eager", "cpu") == "eager" and choose("sdpa") == "sdpa"
-    for where, missing in (
-        ({"accelerator": "cpu"}, "a CUDA accelerator"),
-        ({"precision": "fp32"}, r"bf16 or fp16 \(train.precision is fp32\)"),
-        ({"installed": False}, r"the flash-attn package \(pip install flash-attn\)"),
-    ):
-        with pytest.raises(ValueError, match=rf"train.attention: flash_attention_2 needs {missing}"):
-            choose(FLASH, **where)
-    cfg = config.Config(**config.compose(REPO / "conf", ["launcher.accelerator=cpu", "train.attention=eager"]))
-    assert resolve_launch(train=cfg.train, launcher=cfg.launcher).attention == "eager"

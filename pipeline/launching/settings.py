@@ -1,0 +1,164 @@
+"""The launch settings: what `auto` means on this machine (accelerator, ranks per node, precision, gradient
+accumulation, activation checkpointing, attention) and the nodes, resolved once by the stage and checked before
+anything launches."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.core.config import LauncherConfig, TrainConfig
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def accelerator_name(requested: str) -> str:
+    """'cuda' or 'cpu': what `launcher.accelerator=auto` means on this machine."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_precision(precision: str, accelerator: str) -> None:
+    """Refuse a precision the accelerator cannot train in."""
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    from pipeline.core import imports
+
+    imports.deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    supported = {
+        "bf16": bool(get_accelerator().is_bf16_supported()),
+        "fp16": bool(get_accelerator().is_fp16_supported()),
+        "fp32": True,
+    }
+    if not supported[precision]:
+        usable = [p for p in PRECISIONS if supported[p]]
+        raise ValueError(f"train.precision: {precision} is not supported on {accelerator}; expected one of {usable}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Launch:
+    """The `auto` settings made concrete for this machine."""
+
+    accelerator: str
+    ranks_per_node: int
+    num_nodes: int
+    world_size: int
+    precision: str
+    gradient_accumulation_steps: int
+    global_batch_size: int  # micro x accumulation x world size
+    gradient_checkpointing: bool
+    attention: str  # transformers' attn_implementation
+    hosts: tuple[str, ...]  # node 0 first
+    join_timeout_s: float  # launcher.join_timeout_s: the rendezvous and first all-reduce (launching.rendezvous)
+
+
+def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
+    """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine."""
+    from pipeline.launching import cluster
+
+    nodes = cluster.resolve(launcher)
+    accelerator = accelerator_name(launcher.accelerator)
+    ranks = nodes.slots or ranks_on_this_node(launcher.ranks_per_node, accelerator)
+    world = ranks * len(nodes.hosts)
+    checkpointing = train.gradient_checkpointing
+    accumulation = accumulation_steps(
+        train.gradient_accumulation_steps,
+        global_batch=train.global_batch_size,
+        micro=train.micro_batch_size,
+        world_size=world,
+    )
+    precision = training_precision(train.precision, accelerator)
+    return Launch(
+        accelerator=accelerator,
+        ranks_per_node=ranks,
+        num_nodes=len(nodes.hosts),
+        world_size=world,
+        precision=precision,
+        gradient_accumulation_steps=accumulation,
+        global_batch_size=train.micro_batch_size * accumulation * world,
+        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+        attention=attention_implementation(
+            train.attention, accelerator=accelerator, precision=precision, flash_installed=flash_attn_installed()
+        ),
+        hosts=nodes.hosts,
+        join_timeout_s=launcher.join_timeout_s,
+    )
+
+
+FLASH = "flash_attention_2"
+
+
+def flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def attention_implementation(requested: str, *, accelerator: str, precision: str, flash_installed: bool) -> str:
+    """`train.attention`: auto is flash-attention 2 where it can run (CUDA, bf16 or fp16, the flash-attn package
+    installed), else PyTorch's SDPA; one named must be able to run here."""
+    usable = accelerator == "cuda" and precision in ("bf16", "fp16") and flash_installed
+    if requested == "auto":
+        return FLASH if usable else "sdpa"
+    if requested == FLASH and not usable:
+        missing = (
+            "a CUDA accelerator" if accelerator != "cuda"
+            else f"bf16 or fp16 (train.precision is {precision})" if precision not in ("bf16", "fp16")
+            else "the flash-attn package (pip install flash-attn)"
+        )  # fmt: skip
+        raise ValueError(f"train.attention: {FLASH} needs {missing}; expected auto, sdpa or eager here")
+    return requested
+
+
+def ranks_on_this_node(requested: int | str, accelerator: str) -> int:
+    """`launcher.ranks_per_node`: auto is one rank per visible GPU, 2 CPU ranks where there is none."""
+    if requested != "auto":
+        return int(requested)
+    if accelerator == "cuda":
+        import torch
+
+        return max(1, torch.cuda.device_count())
+    return 2
+
+
+def training_precision(requested: str, accelerator: str) -> str:
+    """`train.precision`: auto is bf16 where the hardware computes it natively (CUDA, or a CPU with bf16 units),
+    fp32 otherwise; an explicit one must be one the accelerator can train in."""
+    from pipeline.core.precision import native_bf16
+
+    precision = requested if requested != "auto" else "bf16" if native_bf16(accelerator) else "fp32"
+    check_precision(precision, accelerator)
+    return precision
+
+
+def accumulation_steps(requested: int | str, *, global_batch: int | str, micro: int, world_size: int) -> int:
+    """`train.gradient_accumulation_steps`: auto is whatever makes micro x accumulation x world = the global batch
+    (1 where the global batch is auto too: then it is micro x world)."""
+    if global_batch == "auto":
+        return 1 if requested == "auto" else int(requested)
+    if requested != "auto":
+        check_batch(global_batch, micro=micro, accumulation=int(requested), world_size=world_size)
+        return int(requested)
+    if global_batch % (micro * world_size):
+        raise ValueError(
+            f"train.global_batch_size: {global_batch} is not a multiple of train.micro_batch_size ({micro}) x "
+            f"world size ({world_size}); expected a multiple of {micro * world_size}, or other ranks"
+        )
+    return global_batch // (micro * world_size)
+
+
+def check_batch(train_batch_size: int | None, *, micro: int, accumulation: int, world_size: int) -> int:
+    """The global batch; a stated one must equal micro x accumulation x world size."""
+    product = micro * accumulation * world_size
+    if train_batch_size is not None and train_batch_size != product:
+        raise ValueError(
+            f"train.global_batch_size: {train_batch_size} != train.micro_batch_size ({micro}) x "
+            f"train.gradient_accumulation_steps ({accumulation}) x world size ({world_size}) = {product}"
+        )
+    return product
