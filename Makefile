@@ -19,7 +19,7 @@ $(STAMP): requirements.txt constraints.txt requirements-assets.txt
 	$(VENV)/bin/python -m pip install -q --upgrade pip==26.3
 	$(VENV)/bin/pip install -q -r requirements.txt -c constraints.txt
 	$(VENV)/bin/pip install -q --no-deps -r requirements-assets.txt
-	$(VENV)/bin/python -m pipeline.launching.ranks  # DeepSpeed's CPU ops, built once into $(VENV)/torch_extensions
+	$(VENV)/bin/python -m pipeline.launching.ops  # DeepSpeed's CPU ops, built once into $(VENV)/torch_extensions
 	$(VENV)/bin/python -m tools.plots_template  # dvc plots show offline
 	touch $@
 

@@ -39,7 +39,7 @@ from pipeline.core.environment import with_venv_path
 from pipeline.core.precision import native_bf16
 from pipeline.data.dataset import preference_arrays, split_indices
 from pipeline.data.tokenizer import load_tokenizer
-from pipeline.launching.ranks import before_launch
+from pipeline.launching.ops import before_launch
 from pipeline.training.schedule import global_batch
 
 LR = 2e-4

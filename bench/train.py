@@ -30,7 +30,7 @@ from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import with_venv_path
 from pipeline.core.precision import native_bf16
-from pipeline.launching.ranks import before_launch
+from pipeline.launching.ops import before_launch
 
 LR = 2e-4
 CORPUS = {"text": Path("data/corpus/peoples_daily_train.txt"), "chat": Path("data/corpus/chitchat_train.jsonl")}

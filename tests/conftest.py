@@ -139,7 +139,7 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
 def no_shared_memory_left():
     """Every DeepSpeed launch of the session leaves no shared-memory file behind (a killed one's are removed by the
     next launch, or here)."""
-    from pipeline.launching.ranks import remove_stale_shm_buffers
+    from pipeline.launching.ops import remove_stale_shm_buffers
 
     yield
     remove_stale_shm_buffers()

@@ -9,6 +9,7 @@
   chooses, reporting (rank 0: MLflow, TensorBoard, progress), the loop, the final figures.
 - `loop`: resume point to last step: accumulate, step, validate, checkpoint, report.
 - `schedule`: the data order and learning rate as pure functions of the step; `ds_config`: the DeepSpeed config
-  (precision, accumulation, ZeRO) generated from the launch settings; `figures`: per-rank values, peak memory, MFU, the curve.
+  (precision, accumulation, ZeRO) generated from the launch settings; `figures`: per-rank values, peak memory, MFU,
+  the curve.
 - `zero_writer`: a universal checkpoint -> the ZeRO layout of N ranks (ranks build an engine and save it).
 """

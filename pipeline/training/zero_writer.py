@@ -18,7 +18,8 @@ from pipeline.checkpoints import folder, safe_pickle
 from pipeline.checkpoints.universal import MANIFEST, is_universal, load_universal, refuse_existing
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.environment import free_port, with_venv_path
-from pipeline.launching.ranks import before_launch, leave_process_group, remove_stale_shm_buffers
+from pipeline.launching.ops import before_launch, remove_stale_shm_buffers
+from pipeline.launching.ranks import leave_process_group
 from pipeline.training import ds_config as dsc
 
 

@@ -20,7 +20,7 @@ from pipeline.checkpoints.adapter import WEIGHTS as ADAPTER_WEIGHTS
 from pipeline.checkpoints.consolidate import MANIFEST, consolidate
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import free_port, with_venv_path
-from pipeline.launching.ranks import remove_stale_shm_buffers
+from pipeline.launching.ops import remove_stale_shm_buffers
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration

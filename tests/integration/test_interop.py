@@ -21,7 +21,7 @@ from pipeline.checkpoints.consolidate import MANIFEST, consolidate
 from pipeline.checkpoints.universal import to_universal
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import free_port, with_venv_path
-from pipeline.launching.ranks import remove_stale_shm_buffers
+from pipeline.launching.ops import remove_stale_shm_buffers
 from tests.conftest import REPO
 from tests.helpers.interop_engine_worker import CASES, tiny_llama
 from tests.helpers.interop_trainer_worker import CASES as TRAINER_CASES

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from pipeline.core.environment import free_port
-from pipeline.launching.ranks import SHM, Ranks, remove_stale_shm_buffers
+from pipeline.launching.ops import SHM, remove_stale_shm_buffers
+from pipeline.launching.ranks import Ranks
 from tests.conftest import REPO
 
 
