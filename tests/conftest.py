@@ -51,7 +51,7 @@ def sp_tokenizer_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
     """A tiny random LLaMA with SmolLM2's tokenizer, saved as a plain HF safetensors folder."""
-    from pipeline.model.base_import import write_tiny_llama
+    from tests.helpers.tiny_model import write_tiny_llama
 
     out = tmp_path_factory.mktemp("tiny_base") / "model"
     write_tiny_llama(out, smol_tokenizer_dir)
@@ -86,8 +86,8 @@ def tiny_pipeline(tmp_path_factory, tiny_base_dir) -> TinyPipeline:
 @pytest.fixture(scope="session")
 def inputs(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     """Tiny base, a tokenizer extended on Chinese text (so embeddings resize), packed 64-token blocks."""
-    from pipeline.data.dataset import build_pretraining, save_splits
     from pipeline.data.tokenizer import META, load_tokenizer, round_up, write_extended
+    from tests.helpers.datasets import build_pretraining, save_splits
 
     root = tmp_path_factory.mktemp("train_inputs")
     write_extended(

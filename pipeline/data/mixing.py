@@ -10,16 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
-from pipeline.data.dataset import (
-    build_pretraining,
-    build_sft,
-    encode,
-    split_instruction,
-)
 from pipeline.data.inputs import data_files, kind, lines
-from pipeline.data.textio import read_data
 
 
 @dataclass(frozen=True)
@@ -39,13 +31,6 @@ def resolve(entries: list) -> list[Source]:
         Source(stem if stems.count(stem) == 1 else f"{stem}_{i}", Path(e.file), e.format, float(e.weight))
         for i, (stem, e) in enumerate(zip(stems, entries, strict=True))
     ]
-
-
-def read_source(source: Source, key: str) -> list:
-    """A source's documents (text) or rows (alpaca, chat), refused with the file and line when the file does not
-    hold its format."""
-    check_source(source, key)
-    return read_data(source.file, source.format)
 
 
 def check_source(source: Source, key: str) -> None:
@@ -111,69 +96,3 @@ def report(sources: list[Source], shares: np.ndarray, train_tokens: list[int], i
         }
         for s, share, tokens, n in zip(sources, shares, train_tokens, items, strict=True)
     }
-
-
-def mix_text(
-    tokenizer,
-    sources: list[Source],
-    documents: list[list[str]],
-    *,
-    block_size: int,
-    tail: str,
-    validation_fraction: float,
-    seed: int,
-) -> tuple[dict[str, pa.Table], dict]:
-    """Pack the mix of text sources into train/validation blocks; statistics with `sources`."""
-    eos = 1 if tokenizer.eos_token_id is not None else 0
-    lengths = [np.array([len(ids) + eos for ids in encode(tokenizer, d, add_special_tokens=True)]) for d in documents]
-    shares = planned_shares(sources)
-    mix = choose(lengths, shares, seed)
-    per_token = np.repeat(np.array([i for i, _ in mix], dtype=np.int64), [lengths[i][j] for i, j in mix])
-    tables, stats = build_pretraining(
-        tokenizer,
-        [documents[i][j] for i, j in mix],
-        block_size=block_size,
-        tail=tail,
-        seed=seed,
-        validation_fraction=validation_fraction,
-        token_sources=(per_token, len(sources)),
-    )
-    items = np.bincount([i for i, _ in mix], minlength=len(sources)).tolist()
-    stats["sources"] = report(sources, shares, stats.pop("source_tokens"), items)
-    return tables, stats
-
-
-def mix_instruction(
-    tokenizer,
-    sources: list[Source],
-    rows: list[list[dict]],
-    *,
-    template: str,
-    max_seq_len: int,
-    validation_fraction: float,
-    seed: int,
-) -> tuple[dict[str, pa.Table], dict]:
-    """Tokenize each instruction source (prompts masked), mix the examples by tokens and split them into
-    train/validation; statistics with `sources`."""
-    built = [build_sft(tokenizer, r, template=template, max_seq_len=max_seq_len) for r in rows]
-    for source, (inputs, _, _) in zip(sources, built, strict=True):
-        if not inputs:
-            raise ValueError(
-                f"data.max_seq_len: every example of {source.file} lost its response to truncation at {max_seq_len}"
-            )
-    shares = planned_shares(sources)
-    mix = choose([np.array([len(ids) for ids in b[0]]) for b in built], shares, seed)
-    stats = {key: sum(b[2][key] for b in built) for key in ("examples", "truncated_examples", "dropped_examples")} | {
-        "documents": sum(map(len, rows))
-    }
-    tables, stats = split_instruction(
-        [built[i][0][j] for i, j in mix],
-        [built[i][1][j] for i, j in mix],
-        stats,
-        seed=seed,
-        validation_fraction=validation_fraction,
-        example_sources=([i for i, _ in mix], len(sources)),
-    )
-    items = np.bincount([i for i, _ in mix], minlength=len(sources)).tolist()
-    stats["sources"] = report(sources, shares, stats.pop("source_tokens"), items)
-    return tables, stats

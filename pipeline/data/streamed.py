@@ -2,9 +2,9 @@
 validated a line at a time, tokenized into parts (see `parts`: parallel, resumable), and the rows are then taken from
 the parts on disk a batch at a time into the dataset folder (see `saved_splits`). Memory holds a chunk per worker
 and a batch of rows, never the corpus; the split indices (8 bytes a row) are the one thing that grows with it.
-The rows, the split and the bytes written are those of the in-memory builders (`dataset.build_pretraining`,
-`build_instruction`) on the same items, for any chunk size and number of workers; preference pairs (`Pairs`: a row
-per pair, split over pairs) likewise do not depend on either."""
+The rows, the split and the bytes written are those of the in-memory builders (`build_pretraining`,
+`build_instruction` of tests/helpers/datasets.py) on the same items, for any chunk size and number of workers;
+preference pairs (`Pairs`: a row per pair, split over pairs) likewise do not depend on either."""
 
 from __future__ import annotations
 
@@ -337,7 +337,7 @@ def build_mix(
     out: Path, *, tokenizer_dir: Path, sources: list, packing, work: Path, workers: int, chunk_chars: int
 ) -> dict:
     """Write the weighted mix of `sources` (`mixing.Source`, all of one family: text or SFT) into `out`, as
-    `mixing.mix_text` / `mix_instruction` build it in memory: each source is tokenized into parts of its own, the
+    the tests' `mix_text` / `mix_instruction` build it in memory: each source is tokenized into parts of its own, the
     mix is chosen from the items' token counts, and the rows are read across the sources' parts. Figures as
     `build`'s, plus `sources` (planned and realised shares)."""
     p = packing

@@ -50,7 +50,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 @dataclass(frozen=True)
 class LightTokenizer:
     """The Rust tokenizer with the special tokens and chat template of its folder: what encoding training data needs
-    (duck-typed as an HF tokenizer for `dataset.tokenize_documents` and `build_sft`), without transformers' tokenizer
+    (duck-typed as an HF tokenizer for `dataset.tokenize_documents` and `sft_arrays`), without transformers' tokenizer
     classes (which import torch: 300 MB per process)."""
 
     backend_tokenizer: object

@@ -31,12 +31,3 @@ class CurveWriter:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} of the event files in `folder`, every point kept."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

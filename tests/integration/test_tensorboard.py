@@ -7,7 +7,7 @@ import csv
 
 import pytest
 
-from pipeline.tracking.tensorboard import read_scalars
+from tests.helpers.tensorboard_events import read_scalars
 
 
 @pytest.mark.integration

@@ -264,8 +264,8 @@ def wide_model(tmp_path_factory, tiny_base_dir, peoples_daily) -> tuple[Path, Pa
     packed 64-token blocks: (base, inputs, the model's bytes)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.data.dataset import build_pretraining, save_splits
     from pipeline.data.tokenizer import load_tokenizer
+    from tests.helpers.datasets import build_pretraining, save_splits
 
     root = tmp_path_factory.mktemp("wide")
     config = LlamaConfig(
@@ -326,8 +326,8 @@ def test_activation_checkpointing_trains_as_without_it(tmp_path, inputs, tiny_ba
 def test_the_fused_loss_under_zero3_gathers_a_frozen_head(tmp_path, inputs, tiny_base_dir, peoples_daily):
     """ZeRO-3 partitions the output head; the fused loss gathers it for each micro-batch (its module is never
     called) and trains what transformers' loss trains under ZeRO-2 with the kernels off, within fp32 rounding."""
-    from pipeline.data.dataset import build_pretraining, save_splits
     from pipeline.data.tokenizer import META, load_tokenizer
+    from tests.helpers.datasets import build_pretraining, save_splits
 
     own = tmp_path / "inputs"  # the base's own tokenizer: the embeddings keep their rows and stay frozen
     shutil.copytree(tiny_base_dir, own / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors", "config.json"))

@@ -8,19 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.data.dataset import (
-    IGNORE_INDEX,
-    SplitRows,
-    build_instruction,
-    build_pretraining,
-    build_sft,
-    pack_blocks,
-    save_splits,
-    split_indices,
-    tokenize_documents,
-)
+from pipeline.data.dataset import IGNORE_INDEX, SplitRows, split_indices, tokenize_documents
 from pipeline.data.textio import read_data, read_documents
 from pipeline.data.tokenizer import load_tokenizer
+from tests.helpers.datasets import build_instruction, build_pretraining, build_sft, pack_blocks, save_splits
 
 
 @pytest.fixture(scope="module")

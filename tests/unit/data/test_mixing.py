@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from pipeline.core import config
-from pipeline.data.mixing import Source, choose, mix_instruction, mix_text, read_source, resolve
+from pipeline.data.mixing import Source, choose, resolve
 from pipeline.data.tokenizer import load_tokenizer
 from tests.conftest import REPO
+from tests.helpers.datasets import mix_instruction, mix_text, read_source
 
 WIKI = [
     "The quick brown fox jumps over the lazy dog near the river bank, as it does every morning at sunrise.",

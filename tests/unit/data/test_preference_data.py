@@ -13,18 +13,12 @@ import pytest
 
 from pipeline.core import config
 from pipeline.data.corpus import review_preferences
-from pipeline.data.dataset import (
-    IGNORE_INDEX,
-    PAIR_COLUMNS,
-    SplitRows,
-    build_sft,
-    preference_arrays,
-    split_indices,
-)
+from pipeline.data.dataset import IGNORE_INDEX, PAIR_COLUMNS, SplitRows, preference_arrays, split_indices
 from pipeline.data.textio import read_data
 from pipeline.data.tokenizer import load_tokenizer
 from stages.check import check_file
 from tests.conftest import REPO
+from tests.helpers.datasets import build_sft
 from tests.unit.data.test_streamed import folder_bytes, packing, stream
 
 

@@ -20,10 +20,10 @@ import yaml
 from pipeline.core import config
 from pipeline.data import streamed
 from pipeline.data.assembly import Packing
-from pipeline.data.dataset import build_instruction, build_pretraining, save_splits
-from pipeline.data.mixing import Source, mix_instruction, mix_text
+from pipeline.data.mixing import Source
 from pipeline.data.tokenizer import load_tokenizer
 from tests.conftest import REPO
+from tests.helpers.datasets import build_instruction, build_pretraining, mix_instruction, mix_text, save_splits
 
 
 @pytest.fixture(scope="module")

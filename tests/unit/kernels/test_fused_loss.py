@@ -16,8 +16,8 @@ from pipeline.data.batches import collate, pack
 from pipeline.data.dataset import IGNORE_INDEX
 from pipeline.kernels import cpp as cpu_kernels
 from pipeline.kernels import fused_loss
-from pipeline.model.base_import import tiny_llama_config
 from tests.helpers.devices import deterministic_attention
+from tests.helpers.tiny_model import tiny_llama_config
 
 
 def tiny_lora(modules_to_save: list[str], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:

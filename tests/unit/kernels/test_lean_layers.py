@@ -19,8 +19,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from pipeline.kernels import cpp as cpu_kernels
 from pipeline.kernels import lean_layers
-from pipeline.model.base_import import tiny_llama_config
 from tests.helpers.devices import deterministic_attention
+from tests.helpers.tiny_model import tiny_llama_config
 
 LAYERS, HIDDEN, INTERMEDIATE, TOKENS = 2, 32, 96, 2 * 17
 NORMS = 2 * LAYERS + 1

@@ -3,7 +3,8 @@ events are checked by tests/integration/test_tensorboard.py)."""
 
 from __future__ import annotations
 
-from pipeline.tracking.tensorboard import CurveWriter, read_scalars
+from pipeline.tracking.tensorboard import CurveWriter
+from tests.helpers.tensorboard_events import read_scalars
 
 
 def test_writer_keeps_numbers_only(tmp_path):
