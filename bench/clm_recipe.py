@@ -29,7 +29,7 @@ IGNORE_INDEX = -100
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
-)  # pipeline.data.dataset's no-input template, so both sides tokenize the same text
+)  # pipeline.data.templates' no-input template, so both sides tokenize the same text
 
 
 def list_tokens(dataset, column: str = "input_ids") -> int:

@@ -37,7 +37,8 @@ from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import with_venv_path
 from pipeline.core.precision import native_bf16
-from pipeline.data.dataset import preference_arrays, split_indices
+from pipeline.data.examples import preference_arrays
+from pipeline.data.saved_splits import split_indices
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.launching.ops import before_launch
 from pipeline.training.schedule import global_batch

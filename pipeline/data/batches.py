@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX
 
 
 def shifted(labels: torch.Tensor) -> torch.Tensor:

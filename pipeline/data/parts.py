@@ -170,15 +170,15 @@ def tokenize_part(folder: Path, index: int, chunk: list, job: Job | None = None)
 
 
 def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], dict]:
-    from pipeline.data.dataset import tokenize_documents
+    from pipeline.data.encoding import tokenize_documents
 
     ids, lengths = tokenize_documents(tokenizer, documents)
     return {"ids": ids, "lengths": lengths}, {"tokens": int(len(ids))}
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    """SFT examples, or a preference chunk's pairs as two examples each (`dataset.preference_arrays`)."""
-    from pipeline.data.dataset import preference_arrays, sft_arrays
+    """SFT examples, or a preference chunk's pairs as two examples each (`examples.preference_arrays`)."""
+    from pipeline.data.examples import preference_arrays, sft_arrays
 
     build = preference_arrays if job.family == "preference" else sft_arrays
     arrays, counts = build(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)

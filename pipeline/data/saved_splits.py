@@ -1,5 +1,6 @@
 """A dataset folder in `datasets`' save_to_disk layout (a folder per split: Arrow stream shards, state.json,
-dataset_info.json; dataset_dict.json), written a batch of rows at a time: the rows are taken from disk as they are
+dataset_info.json; dataset_dict.json): the seeded train/validation split, token rows as Arrow tables, each split
+written a batch of rows at a time and read back memory-mapped (`SplitRows`). The rows are taken from disk as they are
 written, so memory holds one batch, never a split. Shards and batches are cut as save_to_disk cuts them (500 MB
 shards, batches of 1,000 rows), so `load_from_disk` and `SplitRows` read it as they read save_to_disk's."""
 
@@ -7,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 MAX_SHARD_BYTES = 500 * 10**6  # datasets' MAX_SHARD_SIZE
@@ -81,3 +84,65 @@ def write_dict(folder: Path, splits: list[str]) -> None:
 
 def _dump(path: Path, value: dict, *, sort_keys: bool) -> None:
     path.write_text(json.dumps(value, indent=2, sort_keys=sort_keys), encoding="utf-8")
+
+
+def split_indices(n: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train/validation split of n rows; each side keeps the original order."""
+    n_val = 0 if validation_fraction == 0 else max(1, round(n * validation_fraction))
+    if n - n_val < 1:
+        raise ValueError(
+            f"data.validation_fraction: {n} row(s) leave nothing to train on; add data or lower data.block_size"
+        )
+    order = np.random.default_rng(seed).permutation(n)
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def to_table(inputs, labels) -> pa.Table:
+    """Arrow table with int32 input_ids/labels: fixed-size lists for blocks, variable lists for SFT."""
+    if isinstance(inputs, np.ndarray):
+        width = inputs.shape[1]
+        ids = pa.FixedSizeListArray.from_arrays(pa.array(inputs.ravel(), pa.int32()), width)
+        same = labels is inputs  # packed text without a padded tail: one array serves both columns
+        columns = {
+            "input_ids": ids,
+            "labels": ids if same else pa.FixedSizeListArray.from_arrays(pa.array(labels.ravel(), pa.int32()), width),
+        }
+    else:
+        rows = pa.list_(pa.int32())
+        columns = {"input_ids": pa.array(inputs, rows), "labels": pa.array(labels, rows)}
+    return pa.table(columns)
+
+
+class SplitRows:
+    """One split of a dataset `streamed.write` (or save_to_disk) wrote, read with pyarrow alone (memory-mapped):
+    `rows[i]` is row i as {column: numpy array} (input_ids, labels; a preference pair also rejected_input_ids,
+    rejected_labels), as datasets' load_from_disk(...).with_format("numpy") gives it. The train ranks read their data
+    this way: importing datasets would cost each of them memory and time for columns they only index."""
+
+    def __init__(self, folder: Path):
+        table = pa.concat_tables(_mapped_stream(path) for path in split_files(folder))
+        self.columns = {name: table.column(name) for name in table.column_names}
+        self.rows = table.num_rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return {name: np.array(column[int(index)].values, dtype=np.int64) for name, column in self.columns.items()}
+
+
+def split_files(folder: Path) -> list[Path]:
+    """The Arrow stream files of one split `streamed.write` (or save_to_disk) wrote, in order."""
+    files = json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]
+    return [folder / f["filename"] for f in files]
+
+
+def _mapped_stream(path: Path) -> pa.Table:
+    """The Arrow stream file at `path` as a table over a read-only memory map. Reading it touches every record
+    batch's header, and the kernel maps the pages around each (64 KB a batch: gigabytes for a large dataset, counted
+    in the rank's resident memory); they are released once read, so only the rows trained on are mapped."""
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    table = pa.ipc.open_stream(pa.py_buffer(mapped)).read_all()
+    mapped.madvise(mmap.MADV_DONTNEED)  # the file's pages stay cached; reading a row maps its own again
+    return table

@@ -16,8 +16,9 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
-from pipeline.data.dataset import IGNORE_INDEX, PAIR_COLUMNS, PAIR_COUNTS, SFT_ARRAYS, split_indices, to_table
+from pipeline.data.examples import IGNORE_INDEX, PAIR_COLUMNS, PAIR_COUNTS, SFT_ARRAYS
 from pipeline.data.inputs import data_files, estimated_items, items
+from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
 

@@ -50,8 +50,8 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 @dataclass(frozen=True)
 class LightTokenizer:
     """The Rust tokenizer with the special tokens and chat template of its folder: what encoding training data needs
-    (duck-typed as an HF tokenizer for `dataset.tokenize_documents` and `sft_arrays`), without transformers' tokenizer
-    classes (which import torch: 300 MB per process)."""
+    (duck-typed as an HF tokenizer for `encoding.tokenize_documents` and `examples.sft_arrays`), without transformers'
+    tokenizer classes (which import torch: 300 MB per process)."""
 
     backend_tokenizer: object
     special_tokens: dict[str, str]  # name (bos_token, ...) -> token, as HF's special_tokens_map

@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoints import adapter
-from pipeline.data.dataset import IGNORE_INDEX, encode, sft_segments
+from pipeline.data.encoding import encode
+from pipeline.data.examples import IGNORE_INDEX
+from pipeline.data.templates import sft_segments
 from pipeline.data.textio import read_data, read_documents
 
 

@@ -14,7 +14,7 @@ import torch
 def load_pairs(tokenizer, path: Path, *, template: str, max_seq_len: int, key: str) -> list[dict]:
     """The pairs of a preference JSONL file as training rows (`input_ids`, `labels`, `rejected_input_ids`,
     `rejected_labels`), tokenized and cut as cache_dataset does; a bad line is refused with `key`, file and line."""
-    from pipeline.data.dataset import preference_arrays
+    from pipeline.data.examples import preference_arrays
     from pipeline.data.inputs import items
 
     if not Path(path).is_file():

@@ -22,7 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from pipeline.data.batches import shifted
-from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX
 from pipeline.kernels import cpp
 from pipeline.kernels.linear import matmul_nt
 

@@ -147,7 +147,7 @@ def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_co
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from pipeline.data.dataset import split_files
+    from pipeline.data.saved_splits import split_files
     from pipeline.training.ds_config import module_dtype
 
     with pa.memory_map(str(split_files(paths.dataset / "train")[0])) as source:

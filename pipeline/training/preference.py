@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.data.batches import collate, shifted
-from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX
 
 OBJECTIVES = ("lm", "dpo", "orpo", "simpo")
 FUSED_TARGET_LOGPS = "fused_target_logps"  # set on the LM by pipeline.kernels.fused_loss.install: a frozen fused head

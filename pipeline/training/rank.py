@@ -189,7 +189,7 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 def run(plan: Plan) -> None:
     """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
     from pipeline import kernels
-    from pipeline.data.dataset import SplitRows
+    from pipeline.data.saved_splits import SplitRows
     from pipeline.launching.ranks import exit_rank, leave_process_group
     from pipeline.training import initial, loop, resume
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from pipeline.data.dataset import IGNORE_INDEX, encode, sft_arrays, split_indices, to_table, tokenize_documents
+from pipeline.data.encoding import encode, tokenize_documents
+from pipeline.data.examples import IGNORE_INDEX, sft_arrays
 from pipeline.data.mixing import Source, check_source, choose, planned_shares, report
+from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import read_data
 
 

@@ -73,7 +73,7 @@ def test_the_pairs_are_cached_with_the_prompt_masked(pref_inputs):
     figures = read_json(pref_inputs / "dataset.json")
     kept = PAIRS - 2  # data.heldout_fraction (0.05) of the file's rows are held out for the evaluate stage
     assert figures["pairs"] == kept and figures["train_rows"] + figures["validation_rows"] == kept
-    from pipeline.data.dataset import SplitRows
+    from pipeline.data.saved_splits import SplitRows
 
     row = SplitRows(pref_inputs / "dataset" / "train")[0]
     assert set(row) == {"input_ids", "labels", "rejected_input_ids", "rejected_labels"}

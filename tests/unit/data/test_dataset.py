@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.data.dataset import IGNORE_INDEX, SplitRows, split_indices, tokenize_documents
+from pipeline.data.encoding import tokenize_documents
+from pipeline.data.examples import IGNORE_INDEX
+from pipeline.data.saved_splits import SplitRows, split_indices
 from pipeline.data.textio import read_data, read_documents
 from pipeline.data.tokenizer import load_tokenizer
 from tests.helpers.datasets import build_instruction, build_pretraining, build_sft, pack_blocks, save_splits
@@ -211,7 +213,7 @@ def _rss_file_mb() -> float:
 def test_opening_a_split_maps_none_of_its_rows(tmp_path):
     """A train rank opens its split without keeping the pages the kernel maps around each batch header: on rows
     of 8 tokens (64 KB batches), reading every header would otherwise map the whole 32 MB file."""
-    from pipeline.data.dataset import to_table
+    from pipeline.data.saved_splits import to_table
 
     ids = np.arange(500_000 * 8, dtype=np.int32).reshape(-1, 8) % 50_000
     save_splits(tmp_path / "small_rows", {"train": to_table(ids, ids)})
@@ -225,7 +227,7 @@ def _reference_sft(tokenizer, rows: list[dict], *, template: str, max_seq_len: i
     """SFT examples as the definition says, a row and a segment at a time: the prompt of each assistant turn (the
     conversation before it, with the generation prompt) untrained, the reply trained, BOS first where the tokenizer
     adds one; cut to max_seq_len, dropped when nothing trained is left."""
-    from pipeline.data.dataset import alpaca_messages, alpaca_prompt
+    from pipeline.data.templates import alpaca_messages, alpaca_prompt
 
     bos = tokenizer.bos_token_id
     start = [bos] if bos is not None and tokenizer.encode("x")[:1] == [bos] else []
@@ -261,10 +263,10 @@ def test_sft_examples_are_the_reference_row_by_row(request, folder, bound, peopl
     """The batched, array-built SFT examples equal the definition written out a row at a time, for short and long
     rows (truncated, or dropped when the prompt fills max_seq_len), multi-turn chats, with and without BOS, and
     where every conversation's rendering is cut by the character bound (then re-rendered whole if it fits)."""
-    from pipeline.data import dataset
+    from pipeline.data import examples
 
     if bound != "usual":
-        monkeypatch.setattr(dataset, "RENDERED_CHARS_PER_TOKEN", 1)
+        monkeypatch.setattr(examples, "RENDERED_CHARS_PER_TOKEN", 1)
     tokenizer = load_tokenizer(request.getfixturevalue(folder))
     texts = peoples_daily[:300]
     rows = [{"instruction": texts[i] * (1 + i % 5), "input": "", "output": texts[i + 1]} for i in range(0, 300, 3)]

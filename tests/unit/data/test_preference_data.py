@@ -13,7 +13,8 @@ import pytest
 
 from pipeline.core import config
 from pipeline.data.corpus import review_preferences
-from pipeline.data.dataset import IGNORE_INDEX, PAIR_COLUMNS, SplitRows, preference_arrays, split_indices
+from pipeline.data.examples import IGNORE_INDEX, PAIR_COLUMNS, preference_arrays
+from pipeline.data.saved_splits import SplitRows, split_indices
 from pipeline.data.textio import read_data
 from pipeline.data.tokenizer import load_tokenizer
 from stages.check import check_file

@@ -114,7 +114,7 @@ def test_round_up():
 def test_light_tokenizer_encodes_data_as_the_hf_tokenizer(request, folder, peoples_daily):
     """The Rust-only tokenizer the cache_dataset workers use gives the documents' stream and the SFT examples
     (alpaca and chat templates) the HF tokenizer gives, or declines the folder."""
-    from pipeline.data.dataset import tokenize_documents
+    from pipeline.data.encoding import tokenize_documents
     from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
     from tests.helpers.datasets import build_sft
 

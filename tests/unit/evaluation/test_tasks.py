@@ -127,7 +127,7 @@ def test_the_shipped_tasks_ask_what_training_taught(tmp_path, monkeypatch):
     from lm_eval.utils import apply_template
 
     from pipeline.data.corpus import SENTIMENT_INSTRUCTION
-    from pipeline.data.dataset import alpaca_prompt
+    from pipeline.data.templates import alpaca_prompt
 
     row = {"instruction": SENTIMENT_INSTRUCTION, "input": "质量很好，推荐。", "output": "正面"}
     (tmp_path / "data/corpus").mkdir(parents=True)

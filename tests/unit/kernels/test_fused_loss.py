@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline.data import batches
 from pipeline.data.batches import collate, pack
-from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX
 from pipeline.kernels import cpp as cpu_kernels
 from pipeline.kernels import fused_loss
 from tests.helpers.devices import deterministic_attention

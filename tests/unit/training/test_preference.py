@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pipeline.data.dataset import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX
 from pipeline.training.preference import FUSED_TARGET_LOGPS, Objective, model_logps, pair_batch, pair_loss
 
 PAD = 0
