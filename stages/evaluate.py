@@ -8,6 +8,7 @@ from pathlib import Path
 from pipeline.core import config
 from pipeline.core.atomic import write_json
 from pipeline.evaluation import comparison, tasks
+from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 from stages._common import run
 
 
@@ -47,10 +48,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         samples=samples,
         variant=variant["name"],
     )
-    figures = {**results, config.TASKS_KEY: task_results} if specs else dict(results)
+    figures = {**results, TASKS_KEY: task_results} if specs else dict(results)
     if preferences:
-        figures[config.PREFERENCE_KEY] = preferences
-    write_json(args.metrics, {**figures, config.VARIANT_KEY: variant})
+        figures[PREFERENCE_KEY] = preferences
+    write_json(args.metrics, {**figures, VARIANT_KEY: variant})
     print(f"eval: the adapter is {variant['name']}")
     print("\n".join(comparison.summary(results, task_results, preferences)))
     return figures

@@ -10,17 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PositiveInt = Field(gt=0)
-TASKS_KEY = "tasks"  # eval.json: task accuracies beside the eval sets' bits per byte
-VARIANT_KEY = "variant"  # eval.json: what produced the adapter (DoRA, LoRA+, QLoRA)
-PREFERENCE_KEY = "preference"  # eval.json: accuracy on held-out preference pairs (eval.preference_sets)
-
-
-def set_figures(evaluation: dict) -> dict:
-    """eval.json's figures per evaluation set, without the task scores, preference figures and variant beside them."""
-    reserved = (TASKS_KEY, VARIANT_KEY, PREFERENCE_KEY)
-    return {name: by_model for name, by_model in evaluation.items() if name not in reserved}
-
-
+RESERVED_SET_NAMES = ("tasks", "variant", "preference")  # eval.json's other keys (pipeline/evaluation/results.py)
 Fraction = Field(ge=0.0, lt=1.0)
 
 
@@ -211,7 +201,7 @@ class EvalConfig(Section):
     def _window(self) -> EvalConfig:
         if self.stride > self.context:
             raise ValueError(f"eval.stride: must be <= eval.context ({self.context}), got {self.stride}")
-        for reserved in (TASKS_KEY, VARIANT_KEY, PREFERENCE_KEY):
+        for reserved in RESERVED_SET_NAMES:
             if reserved in self.sets:
                 raise ValueError(f"eval.sets: {reserved!r} names other figures in eval.json; rename that set")
         return self
@@ -387,10 +377,6 @@ def write_params(path: Path | str = "params.yaml", config_dir: Path | str = "con
         compose_and_dump(tmp, str(Path(config_dir).resolve()), None, "config", ".", overrides or [])
 
 
-if __name__ == "__main__":
-    write_params("params.yaml", "conf", sys.argv[1:])
-
-
 # Keys that do nothing in some configurations: (condition on the config, the keys, why).
 INEFFECTIVE = (
     (lambda c: not c.tokenizer.extend, ("tokenizer.vocab_size", "tokenizer.model_type",
@@ -425,3 +411,7 @@ def ineffective(config: Config, defaults: Config) -> tuple[list[str], list[str]]
                 message = f"{key}={_value(config, key)!r} has no effect: {why}"
                 (errors if key.startswith(REFUSED_IF_INEFFECTIVE) else warnings).append(message)
     return errors, warnings
+
+
+if __name__ == "__main__":
+    write_params("params.yaml", "conf", sys.argv[1:])

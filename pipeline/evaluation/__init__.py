@@ -4,6 +4,7 @@
   base + adapter or merged, for inference.
 - `tasks`: task accuracy through lm-evaluation-harness.
 - `comparison`: the base, base + adapter and merged models side by side (sets, samples, tasks) and their tables.
+- `results`: eval.json's layout (figures per set and model; task scores, preference figures, variant beside them).
 - `report`: the results as terminal tables, and the MLflow run's description.
 - `chat`: talking to a model (interactive, or one generation for scripts).
 """

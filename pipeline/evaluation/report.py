@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.core.atomic import read_json
-from pipeline.core.config import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY, set_figures
+from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY, set_figures
 
 
 def _number(value, digits: int = 4) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.core.atomic import atomic_path
-from pipeline.core.config import TASKS_KEY, set_figures
+from pipeline.evaluation.results import TASKS_KEY, set_figures
 
 CARD = "README.md"
 TRAINING_FIGURES = ("steps", "final_train_loss", "val_loss", "val_perplexity", "val_preference_accuracy",

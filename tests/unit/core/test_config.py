@@ -101,3 +101,14 @@ def test_stage_reports_bad_params_without_traceback(tmp_path):
     assert "unknown key 'lora.rank'" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "corpus").exists()
+
+
+@pytest.mark.parametrize("name", ["tasks", "variant", "preference"])
+def test_an_eval_set_named_like_eval_json_s_other_figures_is_refused(name):
+    """eval.json keeps task scores, preference figures and the variant beside the sets' figures: a set of that name
+    would overwrite them, so the config refuses it, and evaluation/results.py reserves exactly those names."""
+    from pipeline.evaluation.results import RESERVED
+
+    assert set(config.RESERVED_SET_NAMES) == set(RESERVED)
+    with pytest.raises(ValueError, match=rf"eval.sets: '{name}' names other figures in eval.json; rename that set"):
+        config.Config(**config.compose(REPO / "conf", [f"+eval.sets.{name}=data/x.txt"]))
