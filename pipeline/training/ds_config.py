@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pipeline.launching.settings import check_batch
@@ -83,10 +84,31 @@ def build(
     return config
 
 
-def module_dtype(config: dict):
-    """The dtype a DeepSpeed config trains the module in (its fp32 master weights are the optimizer's)."""
-    import torch
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """A run's DeepSpeed config as typed choices, checked when made; `as_dict()` is the dict DeepSpeed reads."""
 
-    if config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    return torch.float16 if config.get("fp16", {}).get("enabled") else torch.float32
+    zero: ZeroSettings
+    precision: str  # bf16 | fp16 | fp32: what the module trains in (the optimizer keeps fp32 masters)
+    micro: int
+    accumulation: int
+    world_size: int
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    global_batch: int | None = None
+    accelerator: str = "cpu"
+
+    def __post_init__(self) -> None:
+        self.as_dict()  # refused now, not when an engine is built
+
+    def as_dict(self) -> dict:
+        """The config for deepspeed.initialize (and transformers' ZeRO-3 loading)."""
+        return build(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    @property
+    def module_dtype(self):
+        """The torch dtype the module trains in."""
+        import torch
+
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)

@@ -1,4 +1,5 @@
-"""The DeepSpeed training loop of one rank: resume, step, validate, checkpoint, report."""
+"""The DeepSpeed training loop of one rank, read top to bottom in `train`: DPO's reference, then per optimizer step
+`train_step` (`accumulate`: the micro-batches' forward and backward), `validation`, `report`, `checkpoint`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +20,9 @@ from pipeline.training import figures
 from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
+
+if TYPE_CHECKING:
+    from pipeline.training.plan import RunState
 
 
 @dataclass
@@ -138,118 +143,201 @@ class Reporting:
     describe: Callable[[dict], dict]
 
 
+@dataclass(frozen=True, kw_only=True)
+class Loop:
+    """What every step of one rank's loop uses: the engine, the rows, the schedule and objective, the rank's place."""
+
+    engine: object
+    train_rows: object
+    val_rows: object
+    schedule: Schedule
+    objective: Objective
+    pad_id: int
+    varlen: bool
+    rank: int
+    world: int
+
+    @property
+    def global_size(self) -> int:
+        """Rows per optimizer step, over every rank."""
+        return self.schedule.micro_batch_size * self.schedule.accumulation * self.world
+
+    def batch(self, step: int) -> list[int]:
+        """The row indices of `step`'s global batch (a pure function of the step and the seed)."""
+        n_rows, seed = len(self.train_rows), self.schedule.seed
+        return global_batch(step, n_rows=n_rows, global_batch_size=self.global_size, seed=seed)
+
+
+@dataclass
+class Progress:
+    """Where the run stands, carried from step to step and, inside checkpoints, across resumed segments: the
+    history, tokens and seconds trained, and the earlier segments' wall time and peak memory."""
+
+    start: int = 0
+    history: History = field(default_factory=History)
+    tokens: float = 0.0
+    train_seconds: float = 0.0
+    wall_before: float = 0.0
+    peaks_before: dict = field(default_factory=dict)
+    begin: float = field(default_factory=time.perf_counter)
+    first: tuple[float, float] | None = None  # (tokens, seconds) after this segment's first step (its warm-up)
+
+    @classmethod
+    def resumed(cls, saved: dict | None) -> Progress:
+        """From the trainer state of the checkpoint the run resumes from (None: step 0)."""
+        if saved is None:
+            return cls()
+        return cls(
+            start=saved["step"],
+            history=History(**saved["history"]),
+            tokens=saved["tokens_seen"],
+            train_seconds=saved["train_seconds"],
+            wall_before=saved.get("wall_seconds", 0.0),
+            peaks_before=saved.get("memory_peaks_mb", {}),
+        )
+
+
 def train(
+    loop: Loop, *, run_state: RunState, saved: dict | None, directory: Path, tokenizer_dir: Path, reporting: Reporting
+) -> dict:
+    """Train from the step of `saved` (None: step 0; a finished run never gets here) to the schedule's last step,
+    checkpointing into `directory`; returns the run's metrics (`reporting.describe` of the summary) and history.
+    Seconds, tokens and peak memory accumulate over resumed segments, and the final checkpoint keeps the metrics."""
+    schedule = loop.schedule
+    progress = Progress.resumed(saved)
+    reference = dpo_reference(loop, saved=saved, start=progress.start, fingerprint=run_state.fingerprint)
+    saving = {"run_state": run_state, "directory": directory, "tokenizer_dir": tokenizer_dir, "reporting": reporting}
+    loop.engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
+    with profiled_steps(rank=loop.rank) as profile_step:
+        for step in range(progress.start + 1, schedule.max_steps + 1):  # the optimizer step each iteration ends
+            record = train_step(loop, step, reference=reference, progress=progress)
+            done = step == schedule.max_steps
+            if step % schedule.eval_every == 0 or done:
+                record = {**record, **validation(loop, step, history=progress.history)}
+            report(reporting, record, progress)
+            if step % schedule.save_every == 0 or done:
+                metrics = checkpoint(loop, step, progress=progress, reference=reference, **saving)
+            profile_step()
+    return {**metrics, "history": progress.history.__dict__}
+
+
+def dpo_reference(loop: Loop, *, saved: dict | None, start: int, fingerprint: str) -> dict[int, torch.Tensor] | None:
+    """DPO's precomputed reference log-probabilities of every pair the remaining steps train on: those the
+    checkpoint kept, else computed now, before the first step; None for other objectives and `reference: step`."""
+    objective, schedule = loop.objective, loop.schedule
+    if objective.kind != "dpo" or objective.reference == "step":
+        return None
+    initial = objective.reference == "initial"
+    reference = _saved_reference(saved, fingerprint=fingerprint, initial=initial)
+    if reference is None:
+        needed = sorted({int(i) for step in range(start, schedule.max_steps) for i in loop.batch(step)})
+        turns = {"rank": loop.rank, "world_size": loop.world, "micro": schedule.micro_batch_size, "pad_id": loop.pad_id}
+        reference = precomputed_reference(loop.engine, loop.train_rows, needed, **turns, initial=initial)
+    return reference
+
+
+def train_step(loop: Loop, step: int, *, reference: dict | None, progress: Progress) -> dict:
+    """Optimizer step `step` (from 1): this rank's micro-batches (`accumulate`), their loss, tokens and figures
+    summed over the world; the step's record, kept in the history."""
+    tick = time.perf_counter()
+    lr = loop.engine.get_lr()[0]
+    loss_sum, step_tokens, sums = accumulate(loop, loop.batch(step - 1), reference=reference)
+    loss_total, tokens_total, *summed = _all_reduce_sum(
+        [loss_sum, float(step_tokens), *sums.values()], loop.engine.device
+    )
+    progress.train_seconds += time.perf_counter() - tick
+    progress.tokens += tokens_total
+    progress.first = progress.first or (progress.tokens, progress.train_seconds)
+    record = {"step": step, "loss": loss_total / (loop.schedule.accumulation * loop.world), "lr": lr}
+    if sums:
+        record |= described(dict(zip(sums, summed, strict=True)))
+    progress.history.train.append(record)
+    return record
+
+
+def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> tuple[float, int, dict[str, float]]:
+    """This rank's micro-batches of a global batch, each forward and backward (DeepSpeed steps the optimizer at the
+    last); their summed loss, tokens and (preference objectives) STATS, on this rank."""
+    engine, micro = loop.engine, loop.schedule.micro_batch_size
+    loss_sum, step_tokens = 0.0, 0
+    sums = dict.fromkeys(STATS if loop.objective.kind != "lm" else (), 0.0)
+    for index in range(loop.schedule.accumulation):
+        indices = micro_batch(batch_rows, rank=loop.rank, world_size=loop.world, micro=micro, index=index)
+        rows = [loop.train_rows[i] for i in indices]
+        known = None if reference is None else torch.stack([reference[i] for i in indices])
+        loss, row_tokens, stats = _forward(
+            engine, rows, pad_id=loop.pad_id, varlen=loop.varlen, objective=loop.objective, reference=known
+        )
+        engine.backward(loss)
+        engine.step()
+        loss_sum += float(loss.detach().float())
+        step_tokens += row_tokens
+        sums.update({k: sums[k] + stats[k] for k in sums})
+    return loss_sum, step_tokens, sums
+
+
+def validation(loop: Loop, step: int, *, history: History) -> dict:
+    """The validation figures after `step` on the first `eval_max_rows` validation rows, kept in the history."""
+    rows, schedule = loop.val_rows, loop.schedule
+    subset = [rows[i] for i in range(min(len(rows), schedule.eval_max_rows or len(rows)))]
+    turns = {"rank": loop.rank, "world_size": loop.world, "micro": schedule.micro_batch_size, "pad_id": loop.pad_id}
+    if loop.objective.kind == "lm":
+        val_loss, _ = validate(loop.engine, subset, **turns, varlen=loop.varlen)
+        entry = {"step": step, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
+    else:
+        entry = {"step": step, **validate_pairs(loop.engine, subset, **turns, objective=loop.objective)}
+    history.validation.append(entry)
+    return entry
+
+
+def report(reporting: Reporting, record: dict, progress: Progress) -> None:
+    """A step's figures to the tracker and the progress bar, with the throughput so far."""
+    throughput = progress.tokens / max(progress.train_seconds, 1e-9)
+    reporting.log({**record, "tokens_per_s": throughput}, record["step"])
+    reporting.progress(record["step"], {"loss": record["loss"], "lr": record["lr"], "tok/s": throughput})
+
+
+def checkpoint(
+    loop: Loop,
+    step: int,
     *,
-    engine,
-    train_rows,
-    val_rows,
-    schedule: Schedule,
+    progress: Progress,
+    run_state: RunState,
+    reference: dict | None,
     directory: Path,
     tokenizer_dir: Path,
-    pad_id: int,
-    varlen: bool,
-    objective: Objective,
-    run_state: dict,
-    saved: dict | None,
     reporting: Reporting,
-) -> dict:
-    """Train from the step of `saved` (None: step 0; a finished run never gets here) to `schedule.max_steps`;
-    returns the run's metrics (`reporting.describe` of the summary) and history. Seconds, tokens and peak memory
-    accumulate over resumed segments, and the final checkpoint keeps the metrics."""
-    import deepspeed.comm as dist
+) -> dict | None:
+    """The checkpoint after `step`: every rank's shards, and the trainer state (the run's identity, the history and
+    figures so far, DPO's reference); after the last step also the run's metrics, which it returns."""
+    peaks = figures.with_earlier(figures.memory_peaks(loop.engine.device), progress.peaks_before)
+    wall = progress.wall_before + time.perf_counter() - progress.begin
+    state = {
+        **run_state.saved(),
+        "step": step,
+        "history": progress.history.__dict__,
+        "tokens_seen": progress.tokens,
+        "train_seconds": progress.train_seconds,
+        "wall_seconds": wall,
+        "memory_peaks_mb": peaks,
+    }
+    if reference is not None:
+        state[REFERENCE_KEY] = {str(i): values.tolist() for i, values in reference.items()}
+    metrics = None
+    if step == loop.schedule.max_steps:
+        state["metrics"] = metrics = reporting.describe(final_summary(progress, wall=wall, peaks=peaks, steps=step))
+    keep = loop.schedule.keep_last
+    folder.save(
+        engine=loop.engine, directory=directory, step=step, state=state, tokenizer_dir=tokenizer_dir, keep_last=keep
+    )
+    return metrics
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    micro, accumulation = schedule.micro_batch_size, schedule.accumulation
-    global_size = micro * accumulation * world
-    history, start, tokens, train_seconds, wall_before, peaks_before = History(), 0, 0.0, 0.0, 0.0, {}
-    if saved is not None:
-        start, history = saved["step"], History(**saved["history"])
-        tokens, train_seconds = saved["tokens_seen"], saved["train_seconds"]
-        wall_before, peaks_before = saved.get("wall_seconds", 0.0), saved.get("memory_peaks_mb", {})
-    begin, first = time.perf_counter(), None  # first: (tokens, seconds) after this segment's first step (warm-up)
-    reference = None  # DPO's precomputed reference: computed before the first step, kept in every checkpoint
-    if objective.kind == "dpo" and objective.reference != "step":
-        initial = objective.reference == "initial"
-        reference = _saved_reference(saved, fingerprint=run_state["fingerprint"], initial=initial)
-        if reference is None:
-            order = (global_batch(s, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed) for s
-                     in range(start, schedule.max_steps))  # fmt: skip
-            needed = sorted({int(i) for batch in order for i in batch})
-            reference = precomputed_reference(
-                engine, train_rows, needed, rank=rank, world_size=world, micro=micro, pad_id=pad_id, initial=initial
-            )
-    engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
-    with profiled_steps(rank=rank) as profile_step:
-        for step in range(start, schedule.max_steps):
-            tick = time.perf_counter()
-            batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
-            loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
-            sums = dict.fromkeys(STATS if objective.kind != "lm" else (), 0.0)
-            for index in range(accumulation):
-                indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
-                rows = [train_rows[i] for i in indices]
-                known = None if reference is None else torch.stack([reference[i] for i in indices])
-                loss, row_tokens, stats = _forward(
-                    engine, rows, pad_id=pad_id, varlen=varlen, objective=objective, reference=known
-                )
-                engine.backward(loss)
-                engine.step()
-                loss_sum += float(loss.detach().float())
-                step_tokens += row_tokens
-                sums.update({k: sums[k] + stats[k] for k in sums})
-            loss_total, tokens_total, *summed = _all_reduce_sum(
-                [loss_sum, float(step_tokens), *sums.values()], engine.device
-            )
-            train_seconds += time.perf_counter() - tick
-            tokens += tokens_total
-            first = first or (tokens, train_seconds)
-            last_loss = loss_total / (accumulation * world)
-            record = {"step": step + 1, "loss": last_loss, "lr": lr}
-            if sums:
-                record |= described(dict(zip(sums, summed, strict=True)))
-            history.train.append(record)
-            done = step + 1 == schedule.max_steps
-            if (step + 1) % schedule.eval_every == 0 or done:
-                subset = [val_rows[i] for i in range(min(len(val_rows), schedule.eval_max_rows or len(val_rows)))]
-                turns = {"rank": rank, "world_size": world, "micro": micro, "pad_id": pad_id}
-                if objective.kind == "lm":
-                    val_loss, _ = validate(engine, subset, **turns, varlen=varlen)
-                    entry = {"step": step + 1, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
-                else:
-                    entry = {"step": step + 1, **validate_pairs(engine, subset, **turns, objective=objective)}
-                history.validation.append(entry)
-                record = {**record, **entry}
-            throughput = tokens / max(train_seconds, 1e-9)
-            reporting.log({**record, "tokens_per_s": throughput}, step + 1)
-            reporting.progress(step + 1, {"loss": last_loss, "lr": record["lr"], "tok/s": throughput})
-            if (step + 1) % schedule.save_every == 0 or done:
-                peaks = figures.with_earlier(figures.memory_peaks(engine.device), peaks_before)
-                wall = wall_before + time.perf_counter() - begin
-                state = {
-                    **run_state,
-                    "step": step + 1,
-                    "history": history.__dict__,
-                    "tokens_seen": tokens,
-                    "train_seconds": train_seconds,
-                    "wall_seconds": wall,
-                    "memory_peaks_mb": peaks,
-                }
-                if reference is not None:
-                    state[REFERENCE_KEY] = {str(i): values.tolist() for i, values in reference.items()}
-                if done:
-                    summary = figures.summary(history, schedule.max_steps, start, tokens, train_seconds, wall, peaks)
-                    steady = train_seconds - first[1]  # without the first step: CUDA and cuBLAS start in it
-                    summary["steady_tokens_per_s"] = (
-                        (tokens - first[0]) / steady if step > start and steady > 0 else None
-                    )
-                    state["metrics"] = metrics = reporting.describe(summary)
-                folder.save(
-                    engine=engine,
-                    directory=directory,
-                    step=step + 1,
-                    state=state,
-                    tokenizer_dir=tokenizer_dir,
-                    keep_last=schedule.keep_last,
-                )
-            profile_step()
-    return {**metrics, "history": history.__dict__}
+
+def final_summary(progress: Progress, *, wall: float, peaks: dict, steps: int) -> dict:
+    """The run's figures at its last step; the steady throughput leaves out this segment's first step (CUDA and
+    cuBLAS start in it), None where the segment had no other."""
+    p = progress
+    summary = figures.summary(p.history, steps, p.start, p.tokens, p.train_seconds, wall, peaks)
+    steady = p.train_seconds - p.first[1]
+    summary["steady_tokens_per_s"] = (p.tokens - p.first[0]) / steady if steps - 1 > p.start and steady > 0 else None
+    return summary

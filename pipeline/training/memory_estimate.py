@@ -139,7 +139,7 @@ def gpu_memory() -> float | None:
     return min(values) if values else None
 
 
-def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_config: dict) -> dict[str, float]:
+def check_plan(*, paths, state, lora, deepspeed, launch, micro: int, ds_config) -> dict[str, float]:
     """The estimate for a planned run (the micro-batch's tokens from the longest row of the dataset's first record
     batch: nothing else of it is read), refused where it cannot fit this node; GB a rank, as the plan records it. A
     quantized base is not estimated (its 4-bit weights are not in this model)."""
@@ -148,25 +148,24 @@ def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_co
     import pyarrow.compute as pc
 
     from pipeline.data.saved_splits import split_files
-    from pipeline.training.ds_config import module_dtype
 
     with pa.memory_map(str(split_files(paths.dataset / "train")[0])) as source:
         first = pa.ipc.open_stream(source).read_next_batch()
     sequence = pc.max(pc.list_value_length(first.column("input_ids"))).as_py()
-    identity = state["identity"]
+    identity = state.identity
     model = shapes(
         base_dir=paths.base,
-        vocab_rows=identity["vocab_rows"],
-        targets=identity["target_modules"],
-        modules_to_save=identity["modules_to_save"],
-        r=identity["lora_r"],
+        vocab_rows=identity.vocab_rows,
+        targets=identity.target_modules,
+        modules_to_save=identity.modules_to_save,
+        r=identity.lora_r,
     )
     setting = Setting(
         zero_stage=deepspeed.stage,
         offload_param=deepspeed.offload_param,
         offload_optimizer=deepspeed.offload_optimizer,
         world_size=launch.world_size,
-        dtype_bytes=module_dtype(ds_config).itemsize,
+        dtype_bytes=ds_config.module_dtype.itemsize,
         tokens=micro * sequence,
         checkpointing=launch.gradient_checkpointing,
         accelerator=launch.accelerator,

@@ -84,6 +84,46 @@ class Resume:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Identity:
+    """The model a run trains: its checkpoints resume only into the same (`checkpoints.folder.check_same_model`)."""
+
+    base_config: str  # digest of the base's config.json
+    vocab_rows: int
+    lora_r: int
+    target_modules: list[str]
+    modules_to_save: list[str]
+    use_dora: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Variant:
+    """What kind of adapter the run trains (DoRA, LoRA+, QLoRA): carried to the adapter, merge, evaluate and MLflow."""
+
+    use_dora: bool
+    lr_ratio: float | None
+    quantization: str
+    compute_dtype: str | None
+    load_dtype: str  # the dtype the base is loaded (and quantized) from
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunState:
+    """What identifies a run's checkpoints, kept in every one of them (`saved()`): the fingerprint of its trajectory,
+    the model, the layout (world size, ZeRO stage), the launch settings and the adapter's variant."""
+
+    fingerprint: str
+    identity: Identity
+    world_size: int
+    zero_stage: int
+    launch: dict  # the Launch settings less num_nodes (one world of N ranks trains alike on any number of nodes)
+    variant: Variant
+
+    def saved(self) -> dict:
+        """As a checkpoint's trainer state holds it (JSON)."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     paths: Paths
     launch: Launch
@@ -93,8 +133,8 @@ class Plan:
     tracking: Tracking
     kernels: str
     zero_stage: int
-    ds_config: dict
-    run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
+    ds_config: dsc.EngineConfig
+    run_state: RunState
     pad_token_id: int
     objective: Objective
     init_adapter: Path | None = None  # the adapter the run starts from (training.initial)
@@ -114,7 +154,7 @@ def vocab_rows(base_rows: int, tokenizer: Path, resize: bool) -> int:
     return base_rows
 
 
-def variant(lora: config.LoraConfig, launch: Launch) -> dict:
+def variant(lora: config.LoraConfig, launch: Launch) -> Variant:
     """What kind of adapter this run trains, resolved (the compute dtype) and checked where it can be before a launch:
     bitsandbytes must quantize on this accelerator. Checkpoints carry it to the adapter, merge, evaluate and MLflow."""
     quantized = lora.quantization != "none"
@@ -125,18 +165,18 @@ def variant(lora: config.LoraConfig, launch: Launch) -> dict:
         version = probe(lora.quantization, launch.accelerator)
         print(f"train: the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
     compute = lora.compute_dtype if lora.compute_dtype != "auto" else launch.precision
-    return {
-        "use_dora": lora.use_dora,
-        "lr_ratio": lora.lr_ratio,
-        "quantization": lora.quantization,
-        "compute_dtype": compute if quantized else None,
-        "load_dtype": launch.precision,  # the dtype the base is loaded (and quantized) from
-    }
+    return Variant(
+        use_dora=lora.use_dora,
+        lr_ratio=lora.lr_ratio,
+        quantization=lora.quantization,
+        compute_dtype=compute if quantized else None,
+        load_dtype=launch.precision,
+    )
 
 
 def run_state(
     *, paths: Paths, lora: config.LoraConfig, train: config.TrainConfig, zero_stage: int, launch: Launch
-) -> dict:
+) -> RunState:
     """What identifies this run's checkpoints: the model it trains and the fingerprint of its trajectory; checked."""
     layers = outline.read(paths.base)
     targets = resolve_targets(layers, lora.target_modules)
@@ -150,14 +190,14 @@ def run_state(
             f"lora.modules_to_save: the vocabulary grows from {base_rows} to {rows} rows but embed_tokens is not "
             f"trained, so every new token would keep its initial embedding; expected [embed_tokens, lm_head]"
         )
-    identity = {
-        "base_config": folder.file_digest([paths.base / "config.json"]),
-        "vocab_rows": rows,
-        "lora_r": lora.r,
-        "target_modules": sorted(targets),
-        "modules_to_save": sorted(lora.modules_to_save),
-        "use_dora": lora.use_dora,
-    }
+    identity = Identity(
+        base_config=folder.file_digest([paths.base / "config.json"]),
+        vocab_rows=rows,
+        lora_r=lora.r,
+        target_modules=sorted(targets),
+        modules_to_save=sorted(lora.modules_to_save),
+        use_dora=lora.use_dora,
+    )
     trajectory = {**train.model_dump(), "precision": launch.precision, "global_batch_size": launch.global_batch_size}
     settings = {
         "lora": lora.model_dump(),
@@ -170,14 +210,14 @@ def run_state(
         initial.check(Path(train.init_adapter), lora)
         inputs["init_adapter"] = folder.file_digest([adapter.weights_file(Path(train.init_adapter))])
     launched = {k: v for k, v in dataclasses.asdict(launch).items() if k != "num_nodes"}
-    return {
-        "fingerprint": folder.fingerprint({**inputs, **identity}, settings),
-        "identity": identity,
-        "world_size": launch.world_size,
-        "zero_stage": zero_stage,
-        "launch": launched,
-        "variant": variant(lora, launch),
-    }
+    return RunState(
+        fingerprint=folder.fingerprint({**inputs, **dataclasses.asdict(identity)}, settings),
+        identity=identity,
+        world_size=launch.world_size,
+        zero_stage=zero_stage,
+        launch=launched,
+        variant=variant(lora, launch),
+    )
 
 
 def make(
@@ -192,7 +232,7 @@ def make(
     """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
-    ds_config = dsc.build(
+    ds_config = dsc.EngineConfig(
         zero=dsc.ZeroSettings(**deepspeed.model_dump()),
         precision=launch.precision,
         micro=train.micro_batch_size,
@@ -232,7 +272,7 @@ def make(
             keep_last=train.keep_last,
             seed=train.seed,
         ),
-        lora=LoraSpec(**{**spec, "target_modules": state["identity"]["target_modules"]}),
+        lora=LoraSpec(**{**spec, "target_modules": state.identity.target_modules}),
         optimizer=Optimizer(lr=train.lr, weight_decay=train.weight_decay, lr_ratio=lora.lr_ratio),
         tracking=Tracking(uri=tracking.uri, experiment=tracking.experiment, tensorboard=tracking.tensorboard),
         kernels=train.kernels,
@@ -261,7 +301,7 @@ def read(path: Path) -> Plan:
 
 
 def _typed(kind, value):
-    """`value` (JSON) as `kind`: dataclasses field by field, paths as Path, optional ones as None."""
+    """`value` (JSON) as `kind`: dataclasses field by field, paths as Path, tuples as tuples, optional ones as None."""
     if dataclasses.is_dataclass(kind):
         hints = typing.get_type_hints(kind)
         return kind(
@@ -270,4 +310,6 @@ def _typed(kind, value):
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         options = [k for k in typing.get_args(kind) if k is not type(None)]
         return None if value is None else _typed(options[0], value) if len(options) == 1 else value
+    if typing.get_origin(kind) is tuple:
+        return tuple(value)
     return Path(value) if kind is Path else value

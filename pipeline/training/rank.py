@@ -25,24 +25,23 @@ def build_engine(plan: Plan):
     from pipeline.core.precision import DTYPES
     from pipeline.model.lora import load_lora_model, parameter_groups
     from pipeline.model.quantization import Quantization
-    from pipeline.training import ds_config as dsc
     from pipeline.training.schedule import lr_scheduler_factory
 
-    variant, launch = plan.run_state["variant"], plan.launch
-    dtype = dsc.module_dtype(plan.ds_config)
+    variant, launch = plan.run_state.variant, plan.launch
+    dtype, ds_config = plan.ds_config.module_dtype, plan.ds_config.as_dict()
     quantization = None
-    if variant["quantization"] != "none":
+    if variant.quantization != "none":
         quantization = Quantization(
-            kind=variant["quantization"], compute_dtype=DTYPES[variant["compute_dtype"]], storage_dtype=dtype
+            kind=variant.quantization, compute_dtype=DTYPES[variant.compute_dtype], storage_dtype=dtype
         )
     model = load_lora_model(
         base_dir=plan.paths.base,
-        vocab_rows=plan.run_state["identity"]["vocab_rows"],
+        vocab_rows=plan.run_state.identity.vocab_rows,
         lora=plan.lora,
         seed=plan.schedule.seed,
         dtype=dtype,
         gradient_checkpointing=launch.gradient_checkpointing,
-        zero3_config=plan.ds_config if plan.zero_stage == 3 else None,
+        zero3_config=ds_config if plan.zero_stage == 3 else None,
         quantization=quantization,
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
         attention=launch.attention,
@@ -53,7 +52,7 @@ def build_engine(plan: Plan):
         model_parameters=parameter_groups(
             model, plan.optimizer.weight_decay, lr=plan.optimizer.lr, lr_ratio=plan.optimizer.lr_ratio
         ),
-        config=plan.ds_config,
+        config=ds_config,
         lr_scheduler=lr_scheduler_factory(plan.schedule),
     )
     return engine, installed
@@ -188,6 +187,8 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 
 def run(plan: Plan) -> None:
     """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
+    import deepspeed.comm as dist
+
     from pipeline import kernels
     from pipeline.data.saved_splits import SplitRows
     from pipeline.launching.ranks import exit_rank, leave_process_group
@@ -208,18 +209,23 @@ def run(plan: Plan) -> None:
     if plan.resume.finished is not None:
         metrics = {**plan.resume.finished, "history": saved["history"]}
     else:
-        metrics = loop.train(
+        steps = loop.Loop(
             engine=engine,
             train_rows=data["train"],
             val_rows=data["validation"],
             schedule=plan.schedule,
-            directory=plan.paths.checkpoints,
-            tokenizer_dir=plan.paths.tokenizer,
+            objective=plan.objective,
             pad_id=plan.pad_token_id,
             varlen=plan.launch.attention == FLASH,
-            objective=plan.objective,
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+        )
+        metrics = loop.train(
+            steps,
             run_state=plan.run_state,
             saved=saved,
+            directory=plan.paths.checkpoints,
+            tokenizer_dir=plan.paths.tokenizer,
             reporting=report,
         )
     save_gathered(engine, plan.paths.final_state)

@@ -4,6 +4,7 @@ ranks' load of what it continues from."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 from pipeline.checkpoints import folder, safe_pickle
 from pipeline.checkpoints.universal import ensure_universal, load_universal, universal_path
 from pipeline.core.atomic import read_json
-from pipeline.training.plan import Resume
+from pipeline.training.plan import Resume, RunState
 
 
 def finished(directory: Path, *, fingerprint: str, max_steps: int) -> dict | None:
@@ -31,13 +32,13 @@ def finished(directory: Path, *, fingerprint: str, max_steps: int) -> dict | Non
     return {"metrics": {**saved["metrics"], "reused_checkpoint": tag}, "history": saved["history"]}
 
 
-def prepare(*, directory: Path, state: dict, resume_from: Path | None, convert: bool) -> Resume:
+def prepare(*, directory: Path, state: RunState, resume_from: Path | None, convert: bool) -> Resume:
     """Keep checkpoints of this very run; move another configuration's aside; vet an explicit resume_from; convert
     a checkpoint written under another layout to the universal one. Returns what the ranks start from."""
     source = None
     if tag := folder.latest_tag(directory):
         saved = folder.read_state(directory, tag)
-        if saved["fingerprint"] != state["fingerprint"]:
+        if saved["fingerprint"] != state.fingerprint:
             aside = directory.with_name(directory.name + ".previous")
             shutil.rmtree(aside, ignore_errors=True)
             directory.rename(aside)
@@ -54,10 +55,10 @@ def prepare(*, directory: Path, state: dict, resume_from: Path | None, convert: 
             safe_pickle.scan(pickled)
         if universal_path(source).is_dir():  # a conversion's result beside the tag, which a resume would load
             safe_pickle.scan_folder(universal_path(source))
-        folder.check_same_model(saved, source.parent, state["identity"])
-        folder.check_same_rates(saved, source.parent, state["variant"]["lr_ratio"])
+        folder.check_same_model(saved, source.parent, dataclasses.asdict(state.identity))
+        folder.check_same_rates(saved, source.parent, state.variant.lr_ratio)
     directory.mkdir(parents=True, exist_ok=True)
-    here = (state["world_size"], state["zero_stage"])
+    here = (state.world_size, state.zero_stage)
     if source is None or folder.layout(saved) == here:
         print(f"train: resuming from {source}" if source else "train: starting from step 0")
         return Resume(source=None if source is None else source.parent)

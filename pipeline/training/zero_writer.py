@@ -53,7 +53,7 @@ def to_zero(
             )
 
 
-def engine_config(source: dict, stage: int, world: int) -> dict:
+def engine_config(source: dict, stage: int, world: int) -> dsc.EngineConfig:
     """The source run's DeepSpeed config for `world` ranks under ZeRO-`stage`: the same global batch (the
     accumulation re-split), optimizer and precision; no offload (the ranks run on the CPU)."""
     micro, global_batch = source["train_micro_batch_size_per_gpu"], source["train_batch_size"]
@@ -62,7 +62,7 @@ def engine_config(source: dict, stage: int, world: int) -> dict:
             f"--world-size: the global batch {global_batch} is not a multiple of micro batch {micro} x {world} ranks"
         )
     optimizer = source["optimizer"]["params"]
-    return dsc.build(
+    return dsc.EngineConfig(
         zero=dsc.ZeroSettings(stage=stage),
         precision=next((p for p in ("bf16", "fp16") if source.get(p, {}).get("enabled")), "fp32"),
         micro=micro,
@@ -98,7 +98,7 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
     )
     lr_ratio = (state.get("variant") or {}).get("lr_ratio")  # LoRA+: the same groups as the run that wrote it
     config = engine_config(source, stage, world)
-    model = lora_skeleton(base_dir=base, vocab_rows=identity["vocab_rows"], lora=lora, dtype=dsc.module_dtype(config))
+    model = lora_skeleton(base_dir=base, vocab_rows=identity["vocab_rows"], lora=lora, dtype=config.module_dtype)
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -107,7 +107,7 @@ def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
             lr=source["optimizer"]["params"]["lr"],
             lr_ratio=lr_ratio,
         ),
-        config=config,
+        config=config.as_dict(),
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
     )
     load_universal(engine, universal)
