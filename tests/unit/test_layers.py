@@ -1,6 +1,6 @@
 """The library's packages form layers: none imports one after it (core < data < tracking < checkpoints < model <
-kernels < training < merge < evaluation < export), and no module cycle; the check sees an upward import and a
-cycle when there is one."""
+kernels < launching < training < merge < evaluation < export), and no module cycle; the check sees an upward import
+and a cycle when there is one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ def test_no_upward_import_and_no_cycle():
 def test_every_package_is_placed():
     packages = {p.name for p in (REPO / "pipeline").iterdir() if (p / "__init__.py").is_file()}
     assert packages == set(layers.ORDER)
+    modules = {p.stem for p in (REPO / "pipeline").glob("*.py") if p.name != "__init__.py"}
+    assert modules == set(layers.TOP), "a module beside the packages sits above all of them"
 
 
 def test_the_check_sees_an_upward_import_and_a_cycle(tmp_path):

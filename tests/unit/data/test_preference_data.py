@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.check import check_file
 from pipeline.core import config
 from pipeline.data.corpus import review_preferences
 from pipeline.data.examples import IGNORE_INDEX, PAIR_COLUMNS, preference_arrays
 from pipeline.data.saved_splits import SplitRows, split_indices
 from pipeline.data.textio import read_data
 from pipeline.data.tokenizer import load_tokenizer
-from stages.check import check_file
 from tests.conftest import REPO
 from tests.helpers.datasets import build_sft
 from tests.unit.data.test_streamed import folder_bytes, packing, stream
