@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.core.atomic import atomic_path
 from pipeline.core.errors import guarded
+from pipeline.core.log import logger
 from pipeline.core.quiet import quiet_third_parties
 
 
@@ -25,9 +26,9 @@ def _consolidate(args: argparse.Namespace) -> None:
     )
     source, layout = manifest["source"], manifest["layout"]
     for note in manifest["notes"]:
-        print(f"consolidate: note: {note}")
-    print(
-        f"consolidate: {len(manifest['tensors'])} tensors ({manifest['elements']:,} elements) from "
+        logger("consolidate").info(f"note: {note}")
+    logger("consolidate").info(
+        f"{len(manifest['tensors'])} tensors ({manifest['elements']:,} elements) from "
         f"{source['checkpoint']}/{source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), "
         f"{layout['optimizer']}, {layout['master_dtype']} masters) -> {args.output_dir}"
     )
@@ -55,18 +56,18 @@ def _convert(args: argparse.Namespace) -> None:
             zero_stage=args.zero_stage,
             port=args.master_port,
         )
-        print(
-            f"convert: {universal} -> {args.output_dir}: ZeRO-{args.zero_stage} for {args.world_size} rank(s) in "
+        logger("convert").info(
+            f"{universal} -> {args.output_dir}: ZeRO-{args.zero_stage} for {args.world_size} rank(s) in "
             f"{time.perf_counter() - start:.1f} s; resume it with train.resume_from={args.output_dir}"
         )
         return
     where = locate(args.checkpoint_dir, args.tag)
     for note in where.notes:
-        print(f"convert: note: {note}")
+        logger("convert").info(f"note: {note}")
     manifest = to_universal(where.tag_dir, args.output_dir, args.workers)
     source = manifest["source"]
-    print(
-        f"convert: {where.tag_dir} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), step "
+    logger("convert").info(
+        f"{where.tag_dir} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s), step "
         f"{manifest['step']}) -> {args.output_dir}: {len(manifest['parameters'])} parameters with their Adam "
         f"moments in {time.perf_counter() - start:.1f} s; a run of any world size under ZeRO 1-3 resumes from it"
     )
@@ -86,7 +87,7 @@ def _merge(args: argparse.Namespace) -> None:
         max_abs_logit_diff=args.max_abs_diff,
         max_kl=args.max_kl,
     )
-    print(f"merge: {json.dumps(report, sort_keys=True)}")
+    logger("merge").info(f"{json.dumps(report, sort_keys=True)}")
 
 
 def _evaluate(args: argparse.Namespace) -> None:
@@ -141,10 +142,10 @@ def _export(args: argparse.Namespace) -> None:
 
     check_exportable(args.model, args.type)
     written = export_gguf(model_dir=args.model, out=args.out, type_name=args.type)
-    print(f"export: {args.model} -> {args.out} ({written['bytes'] / 1e6:.1f} MB, tensors {written['tensors']})")
+    logger("export").info(f"{args.model} -> {args.out} ({written['bytes'] / 1e6:.1f} MB, tensors {written['tensors']})")
     if not args.no_verify:
         figures = roundtrip(model_dir=args.model, gguf_file=args.out, type_name=args.type)
-        print(f"export: read back by transformers: {json.dumps(figures)}")
+        logger("export").info(f"read back by transformers: {json.dumps(figures)}")
 
 
 def _card(args: argparse.Namespace) -> None:
@@ -168,7 +169,9 @@ def _card(args: argparse.Namespace) -> None:
     )
     with atomic_path(args.out) as tmp:
         tmp.write_text(text, encoding="utf-8")
-    print(f"card: {args.kind} model card with {'the' if figures('eval') else 'no'} evaluation tables -> {args.out}")
+    logger("card").info(
+        f"{args.kind} model card with {'the' if figures('eval') else 'no'} evaluation tables -> {args.out}"
+    )
 
 
 def _talk_options(command: argparse.ArgumentParser, *, max_new_tokens: int, temperature: float) -> None:

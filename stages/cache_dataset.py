@@ -9,8 +9,11 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json, write_json
+from pipeline.core.log import logger
 from pipeline.data import assembly, mixing, streamed
 from stages._common import run
+
+log = logger("cache_dataset")
 
 CHUNK_CHARS = 1_000_000  # characters of input per part: what a worker holds, and what a kill can lose
 
@@ -57,12 +60,12 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     metrics = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
     write_json(args.metrics, metrics)
     for name, share in stats.pop("sources", {}).items():
-        print(
-            f"cache_dataset: source {name}: {share['planned_share']:.1%} of tokens planned, "
+        log.info(
+            f"source {name}: {share['planned_share']:.1%} of tokens planned, "
             f"{share['realised_share']:.1%} in the train split ({share['train_tokens']:,} tokens, "
             f"{share['items']} items)"
         )
-    print(f"cache_dataset: {stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
+    log.info(f"{stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
     return metrics
 
 

@@ -8,8 +8,11 @@ from pathlib import Path
 from pipeline.check import check
 from pipeline.core import config
 from pipeline.core.atomic import write_json
+from pipeline.core.log import logger
 from pipeline.data import verified
 from stages._common import run
+
+log = logger("check")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
@@ -17,13 +20,13 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     defaults = config.validate(config.compose(args.conf), "conf/")
     found = check(cfg, defaults=defaults, produced=args.produced, known=known)
     for warning in found.warnings:
-        print(f"check: warning: {warning}")
+        log.info(f"warning: {warning}")
     if found.errors:
         raise ValueError("\n".join(found.errors))
     if args.memo:
         verified.save(args.memo, known | found.verified)
     write_json(args.out, {"checked": "params.yaml and the input files it names"})
-    print("check: the configuration and its input files are fine")
+    log.info("the configuration and its input files are fine")
 
 
 if __name__ == "__main__":

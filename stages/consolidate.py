@@ -6,8 +6,11 @@ from pathlib import Path
 from pipeline.checkpoints.consolidate import consolidate
 from pipeline.core import config
 from pipeline.core.atomic import read_json, write_json
+from pipeline.core.log import logger
 from pipeline.export import model_card
 from stages._common import run
+
+log = logger("consolidate")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -24,8 +27,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     model_card.write(args.out, model_card.render(kind="adapter", params=cfg.model_dump(), **figures))
     write_json(args.metrics, metrics)
     for note in manifest["notes"]:
-        print(f"consolidate: note: {note}")
-    print(f"consolidate: {source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s)) -> {metrics}")
+        log.info(f"note: {note}")
+    log.info(f"{source['tag']} (ZeRO-{source['zero_stage']}, {source['world_size']} rank(s)) -> {metrics}")
     return metrics
 
 

@@ -9,9 +9,12 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path
+from pipeline.core.log import logger
 from pipeline.data.inputs import items, kind
 from pipeline.data.textio import held_out_count, verify
 from stages._common import run
+
+log = logger("eval_set")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
@@ -28,10 +31,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             with (tmp / source.name).open("w", encoding="utf-8") as out:
                 for item in islice(items(source, data_format), count - held, None):  # streamed: one item held
                     out.write((item if data_format == "text" else json.dumps(item, ensure_ascii=False)) + "\n")
-            print(f"eval_set: {args.name} = the last {held} item(s) of {source} (held out from training)")
+            log.info(f"{args.name} = the last {held} item(s) of {source} (held out from training)")
         else:
             shutil.copy2(source, tmp / source.name)
-            print(f"eval_set: {args.name} = {source}")
+            log.info(f"{args.name} = {source}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import write_json
+from pipeline.core.log import logger
 from pipeline.evaluation import comparison, tasks
 from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 from stages._common import run
+
+log = logger("eval")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -52,7 +55,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     if preferences:
         figures[PREFERENCE_KEY] = preferences
     write_json(args.metrics, {**figures, VARIANT_KEY: variant})
-    print(f"eval: the adapter is {variant['name']}")
+    log.info(f"the adapter is {variant['name']}")
     print("\n".join(comparison.summary(results, task_results, preferences)))
     return figures
 

@@ -7,7 +7,10 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, write_json
+from pipeline.core.log import logger
 from stages._common import run
+
+log = logger("export")
 
 GGUF = "model.gguf"
 NOTE = """# GGUF export: off
@@ -39,7 +42,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             written = export_gguf(model_dir=args.merged, out=tmp / GGUF, type_name=x.type)
             figures = roundtrip(model_dir=args.merged, gguf_file=tmp / GGUF, type_name=x.type)
         metrics = {"exported": True, "type": x.type, "bytes": written["bytes"], **figures}
-        print(f"export: {args.out / GGUF} ({written['bytes'] / 1e6:.1f} MB); read back: {figures}")
+        log.info(f"{args.out / GGUF} ({written['bytes'] / 1e6:.1f} MB); read back: {figures}")
     write_json(args.metrics, metrics)
     return metrics
 

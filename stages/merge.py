@@ -5,9 +5,12 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import read_json, write_json
+from pipeline.core.log import logger
 from pipeline.export import model_card
 from pipeline.merge.fold import merge
 from stages._common import run
+
+log = logger("merge")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -27,8 +30,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     model_card.write(args.out, model_card.render(kind="merged", params=cfg.model_dump(), merge=metrics, **figures))
     write_json(args.metrics, metrics)
     for note in report["notes"]:
-        print(f"merge: note: {note}")
-    print(f"merge: {report}")
+        log.info(f"note: {note}")
+    log.info(f"{report}")
     return metrics
 
 

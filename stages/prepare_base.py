@@ -5,8 +5,11 @@ from pathlib import Path
 
 from pipeline.core import assets, config
 from pipeline.core.atomic import write_json
+from pipeline.core.log import logger
 from pipeline.model.base_import import import_base
 from stages._common import run
+
+log = logger("prepare_base")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -18,7 +21,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         max_shard_size=cfg.model.max_shard_size,
     )
     write_json(args.metrics, summary)
-    print(f"prepare_base: {summary}")
+    log.info(f"{summary}")
     return summary
 
 

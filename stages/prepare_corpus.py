@@ -5,8 +5,11 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, write_json
+from pipeline.core.log import logger
 from pipeline.data.corpus import build_packaged_corpora
 from stages._common import run
+
+log = logger("prepare_corpus")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -14,7 +17,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         stats = build_packaged_corpora(tmp, **cfg.corpus.model_dump())
     write_json(args.metrics, stats)
     for name, figures in stats.items():
-        print(f"prepare_corpus: {name}: {figures}")
+        log.info(f"{name}: {figures}")
     return stats
 
 

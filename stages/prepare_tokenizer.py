@@ -7,9 +7,12 @@ from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, write_json
+from pipeline.core.log import logger
 from pipeline.data.textio import held_out, read_texts
 from pipeline.data.tokenizer import META, first_chars, load_tokenizer, round_up, tokens_per_char, write_extended
 from stages._common import run
+
+log = logger("prepare_tokenizer")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
@@ -42,7 +45,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         }
         write_json(tmp / META, {"extended": t.extend, **metrics})
     write_json(args.metrics, metrics)
-    print(f"prepare_tokenizer: {metrics}")
+    log.info(f"{metrics}")
     return metrics
 
 

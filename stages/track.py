@@ -6,11 +6,11 @@ was unreachable, `dvc repro -f track` logs the pipeline later."""
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from pipeline.checkpoints.adapter import variant_tags
 from pipeline.core import config
+from pipeline.core.log import logger
 from pipeline.evaluation.report import run_description
 from pipeline.tracking import completion
 from stages._common import announce, pipeline_run, run, stage_name
@@ -20,10 +20,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     with pipeline_run(cfg, args.run_id_file) as tracker:
         if tracker.disabled:
             if tracker.missing:
-                print(
-                    f"tracking: this pipeline run is not in MLflow ({tracker.missing}); once the store is reachable, "
+                logger("tracking").warning(
+                    f"this pipeline run is not in MLflow ({tracker.missing}); once the store is reachable, "
                     "`dvc repro -f track` logs it from the pipeline's files",
-                    file=sys.stderr,
                 )
             return
         logged_metrics, logged_tags = tracker.logged()
@@ -57,7 +56,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
         registered = completion.register(tracker, name=cfg.tracking.register_model, merged=args.merged)
         if not tracker.disabled:
             ran = ", ".join(completion.stages_run(logged_tags, stage_name()))
-            print(f"track: MLflow run {tracker.run_id} on {cfg.tracking.uri} (stages run: {ran}){registered}")
+            logger("track").info(f"MLflow run {tracker.run_id} on {cfg.tracking.uri} (stages run: {ran}){registered}")
 
 
 def metrics_file(text: str) -> tuple[str, Path]:

@@ -23,6 +23,7 @@ NOT_DEPENDENCIES = {
     "pipeline/tracking/execution.py": "which MLflow run a process logs to",
     "pipeline/tracking/tensorboard.py": "logging the training curve for TensorBoard",
     "pipeline/core/errors.py": "printing bad input as one line and exiting",
+    "pipeline/core/log.py": "printing progress lines (rank 0)",
     "pipeline/core/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
     "pipeline/core/environment.py": "PATH and a free port for child processes",
     "pipeline/core/quiet.py": "silencing third-party warnings and progress bars",

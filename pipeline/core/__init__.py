@@ -2,6 +2,7 @@
 
 - `atomic`: outputs written to a temporary path and renamed into place; strict JSON reads.
 - `errors`: bad input printed as one line, exit 2, no traceback.
+- `log`: the one logger: `name: message` lines on global rank 0 (progress on stdout, warnings on stderr).
 - `config`: the schema of params.yaml (the only module that reads it), and the composition of conf/ into it.
 - `assets`: files of the packages that ship the default's model and corpora.
 - `precision`: dtype names, what the hardware computes natively, inference dtypes.

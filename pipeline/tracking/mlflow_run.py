@@ -8,7 +8,6 @@ import itertools
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -16,6 +15,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from pipeline.core.atomic import read_json, write_json
+from pipeline.core.log import logger
+
+log = logger("tracking")
 
 T = TypeVar("T")
 
@@ -394,4 +396,4 @@ def _warn(what: str, err: Exception) -> None:
     detail = _redact(" ".join(f"{type(err).__name__}: {err}".split()))
     if len(detail) > 300:
         detail = detail[:150] + " ... " + detail[-145:]
-    print(f"tracking: {what} ({detail}); going on without MLflow", file=sys.stderr, flush=True)
+    log.warning(f"{what} ({detail}); going on without MLflow")

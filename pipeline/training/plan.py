@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
+from pipeline.core.log import logger
 from pipeline.data.tokenizer import META, load_tokenizer
 from pipeline.launching.settings import Launch
 from pipeline.model import outline
@@ -22,6 +23,8 @@ from pipeline.training import ds_config as dsc
 from pipeline.training import initial, memory_estimate
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
+
+log = logger("train")
 
 FILE = "plan.json"
 # Not part of a training trajectory: reporting and checkpointing, how the global batch is split into micro-batches
@@ -163,7 +166,7 @@ def variant(lora: config.LoraConfig, launch: Launch) -> Variant:
 
         probe = check_available_apart if launch.accelerator == "cuda" else check_available
         version = probe(lora.quantization, launch.accelerator)
-        print(f"train: the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
+        log.info(f"the base is loaded in {lora.quantization} by bitsandbytes {version} on every rank")
     compute = lora.compute_dtype if lora.compute_dtype != "auto" else launch.precision
     return Variant(
         use_dora=lora.use_dora,
@@ -182,7 +185,7 @@ def run_state(
     targets = resolve_targets(layers, lora.target_modules)
     check_targets(layers, targets, lora.modules_to_save)
     if lora.target_modules == ALL_LINEAR:
-        print(f"train: lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
+        log.info(f"lora.target_modules all-linear is {len(targets)} layers: {describe_targets(targets)}")
     base_rows = read_json(paths.base / "config.json")["vocab_size"]
     rows = vocab_rows(base_rows, paths.tokenizer, train.resize_embeddings)
     if rows > base_rows and "embed_tokens" not in lora.modules_to_save:
@@ -253,7 +256,7 @@ def make(
         micro=train.micro_batch_size,
         ds_config=ds_config,
     )
-    print(f"train: about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
+    log.info(f"about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})

@@ -10,9 +10,12 @@ import os
 import resource
 from pathlib import Path
 
+from pipeline.core.log import logger
 from pipeline.launching.settings import FLASH
 from pipeline.training import plan as plans
 from pipeline.training.plan import Plan
+
+log = logger("train")
 
 
 def build_engine(plan: Plan):
@@ -83,19 +86,17 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
         from pipeline.tracking.tensorboard import CurveWriter, run_dir
 
         curves = CurveWriter(run_dir(plan.paths.tensorboard, workspace()))
-        print(
-            f"train: TensorBoard events in {curves.folder} (tensorboard --logdir {plan.paths.tensorboard})", flush=True
-        )
+        log.info(f"TensorBoard events in {curves.folder} (tensorboard --logdir {plan.paths.tensorboard})")
     bar = tqdm(total=plan.schedule.max_steps, desc="train", dynamic_ncols=True, disable=rank != 0)
     if tracker is not None:
         tracker.set_tags({"world_size": str(world), "zero_stage": str(plan.zero_stage)})
-        print(f"train: {trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)", flush=True)
+        log.info(f"{trainable:,} trainable of {total:,} parameters ({100 * trainable / total:.2f}%)")
         if plan.resume.universal is not None:
             source = read_json(plan.resume.universal / MANIFEST)["source"]
             converted = f"ZeRO-{source['zero_stage']} x {source['world_size']} rank(s), {source['tag']}"
             tracker.set_tags({"resume.converted_from": converted})
 
-    def log(metrics: dict, step: int) -> None:
+    def log_step(metrics: dict, step: int) -> None:
         if tracker is not None:
             tracker.log_metrics({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if curves is not None:
@@ -135,9 +136,9 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
         write_json(plan.paths.metrics, metrics)
         figures.write_curve(plan.paths.curve, history)
         tracker.close()
-        print(f"train: {json.dumps(metrics)}", flush=True)
+        log.info(f"{json.dumps(metrics)}")
 
-    return Reporting(log=log, progress=progress, describe=describe), finish
+    return Reporting(log=log_step, progress=progress, describe=describe), finish
 
 
 def _rounded(value):

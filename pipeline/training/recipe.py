@@ -10,10 +10,13 @@ from pathlib import Path
 
 from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
+from pipeline.core.log import logger
 from pipeline.launching import cluster, preflight, ranks
 from pipeline.launching.settings import resolve_launch
 from pipeline.training import plan, resume
 from pipeline.training.figures import write_curve
+
+log = logger("train")
 
 
 class RanksFailed(RuntimeError):
@@ -64,7 +67,7 @@ def run(
         )
         finished = None if done is None else done["metrics"]
         plan.write(dataclasses.replace(the_plan, resume=dataclasses.replace(start, finished=finished)), planned)
-        print(f"train: {dataclasses.asdict(settings)}")
+        log.info(f"{dataclasses.asdict(settings)}")
         code = ranks.run_ranks(started, cluster=nodes, ranks=settings.ranks_per_node, plan=planned, env=env)
         started = None
     finally:
@@ -78,7 +81,7 @@ def run(
 def reported(paths: plan.Paths, done: dict) -> dict:
     """A finished run's figures (its final checkpoint's) written again as the stage's outputs."""
     final = paths.checkpoints / done["metrics"]["reused_checkpoint"]
-    print(f"train: {final} is this run's final checkpoint; its figures are reported")
+    log.info(f"{final} is this run's final checkpoint; its figures are reported")
     write_json(paths.metrics, done["metrics"])
     write_curve(paths.curve, done["history"])
     return done["metrics"]

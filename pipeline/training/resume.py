@@ -12,7 +12,10 @@ from pathlib import Path
 from pipeline.checkpoints import folder, safe_pickle
 from pipeline.checkpoints.universal import ensure_universal, load_universal, universal_path
 from pipeline.core.atomic import read_json
+from pipeline.core.log import logger
 from pipeline.training.plan import Resume, RunState
+
+log = logger("train")
 
 
 def finished(directory: Path, *, fingerprint: str, max_steps: int) -> dict | None:
@@ -42,7 +45,7 @@ def prepare(*, directory: Path, state: RunState, resume_from: Path | None, conve
             aside = directory.with_name(directory.name + ".previous")
             shutil.rmtree(aside, ignore_errors=True)
             directory.rename(aside)
-            print(f"train: {directory} held another configuration's checkpoints; moved to {aside}, starting over")
+            log.info(f"{directory} held another configuration's checkpoints; moved to {aside}, starting over")
         else:
             source = directory / tag
     elif resume_from is not None:
@@ -60,7 +63,7 @@ def prepare(*, directory: Path, state: RunState, resume_from: Path | None, conve
     directory.mkdir(parents=True, exist_ok=True)
     here = (state.world_size, state.zero_stage)
     if source is None or folder.layout(saved) == here:
-        print(f"train: resuming from {source}" if source else "train: starting from step 0")
+        log.info(f"resuming from {source}" if source else "starting from step 0")
         return Resume(source=None if source is None else source.parent)
     written = f"written by {saved['world_size']} rank(s) under ZeRO-{saved['zero_stage']}"
     wanted = f"{here[0]} rank(s) under ZeRO-{here[1]}"
@@ -77,10 +80,10 @@ def prepare(*, directory: Path, state: RunState, resume_from: Path | None, conve
     start = time.perf_counter()
     out, manifest = ensure_universal(source)
     if manifest is None:
-        print(f"train: {source} was {written}; resuming with {wanted} from its universal form {out}")
+        log.info(f"{source} was {written}; resuming with {wanted} from its universal form {out}")
     else:
-        print(
-            f"train: {source} was {written}; converted it to DeepSpeed's universal layout "
+        log.info(
+            f"{source} was {written}; converted it to DeepSpeed's universal layout "
             f"({len(manifest['parameters'])} parameters with their Adam moments, step {manifest['step']}, "
             f"{time.perf_counter() - start:.1f} s) in {out} to resume with {wanted}"
         )
