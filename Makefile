@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser nodes run test test-unit repro-check ui report lint format params bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes run test test-unit repro-check ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -65,6 +65,9 @@ format: setup ## apply ruff's fixes and formatting
 params: setup ## regenerate params.yaml from conf/ (what `dvc exp run` does) and docs/configuration.md
 	python -m pipeline.core.config
 	python -m tools.config_reference
+
+map: setup ## regenerate the README's code map from the packages' front pages (the __init__ docstrings)
+	python -m tools.code_map
 
 bench: run ## benchmarks against the tools users would otherwise use (each --smoke mode runs in make test)
 	python -m bench.cache_dataset

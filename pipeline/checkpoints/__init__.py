@@ -7,7 +7,8 @@ and data only):
 - `shard_files`: a DeepSpeed tag's files (which is which, one save or refused) and loading them without DeepSpeed.
 - `zero_shards`: the fp32 masters (and Adam moments) of a tag's partitioned optimizer shards (ZeRO-1/2/3,
   BF16_Optimizer); `zero0_masters`: those ZeRO-0 keeps whole in the model-state file (fused, unfused, plain).
-- `mapped`: torch.save files read memory-mapped, pages handed back once copied.
+- `mapped`: torch.save files read memory-mapped, pages handed back once copied; `safe_pickle`: checkpoint pickles
+  read as data, never as code (one allowlist for every `.pt`/`.bin` file).
 - `universal`: DeepSpeed's universal layout, written from the shards and loaded into an engine of any layout.
 - `adapter`: the PEFT adapter format (file names, config, tensor names, other trainers' variants read into it).
 - `consolidate`: a ZeRO tag -> a PEFT adapter folder, verified.

@@ -1,14 +1,16 @@
-"""The house stays navigable: stages/ is the DVC graph, each stage depends on exactly the code it runs, and the
-configuration reference is the one conf/ generates."""
+"""The house stays navigable: stages/ is the DVC graph, each stage depends on exactly the code it runs, every module
+is named on its package's front page, and the configuration reference and the README's code map are the ones conf/
+and the front pages generate."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import yaml
 
 from tests.conftest import REPO
-from tools import code_deps, config_reference
+from tools import code_deps, code_map, config_reference
 
 
 def test_stage_files_are_the_dvc_stages():
@@ -64,3 +66,21 @@ def test_package_inits_hold_a_front_page_and_only_kernels_code():
     runs = code_deps.closure("stages.train")
     assert {Path("pipeline/kernels/__init__.py"), Path("pipeline/kernels/csrc/kernels.cpp")} <= runs
     assert Path("pipeline/__init__.py") not in runs
+
+
+def test_every_module_is_named_on_its_package_s_front_page():
+    assert code_map.missing() == [], "name each module on its package's __init__ docstring, as `module`"
+
+
+def test_a_module_left_off_its_front_page_is_found(tmp_path):
+    """A copy of the library with a module that its package's front page does not name: the check names it."""
+    shutil.copytree(REPO / "pipeline", tmp_path / "pipeline")
+    (tmp_path / "pipeline" / "merge" / "unlisted.py").write_text('"""Not on the front page."""\n')
+    assert code_map.missing(tmp_path) == ["pipeline/merge/unlisted.py"]
+
+
+def test_the_readme_code_map_is_generated_from_the_front_pages():
+    readme = REPO / "README.md"
+    assert readme.read_text(encoding="utf-8") == code_map.rewrite(readme), (
+        "README.md's code map drifted: run `python -m tools.code_map`"
+    )
