@@ -1,0 +1,1 @@
+"""Tests of pipeline.checkpoints on synthetic shards (no DeepSpeed launch)."""
