@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser nodes run test test-unit repro-check ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes run test test-fast test-unit repro-check ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -53,8 +53,12 @@ repro-check: setup ## run the pipeline twice from scratch on a tiny config and c
 ui: setup ## the MLflow UI over the project's store on http://127.0.0.1:$(UI_PORT) (UI_STORE=URI for another)
 	mlflow server --backend-store-uri $(UI_STORE) --host 127.0.0.1 --port $(UI_PORT) --workers 1
 
-test-unit: setup ## the fast tests only
+test-unit: setup ## every unit test (no integration: no DeepSpeed launch, DVC or server)
 	pytest -m "not integration"
+
+test-fast: setup ## the edit-test loop, a few minutes: lint, then the unit tests less those marked slow
+	ruff check pipeline stages tools tests bench
+	pytest -m "not integration and not slow" -q
 
 lint: setup ## ruff lint and format check
 	ruff check pipeline stages tools tests bench && ruff format --check pipeline stages tools tests bench

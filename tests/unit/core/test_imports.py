@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pipeline.core import imports
@@ -28,6 +29,7 @@ print(json.dumps({**after, "mlflow_usable": hasattr(mlflow, "MlflowClient"),
 """
 
 
+@pytest.mark.slow
 def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes_or_scipy():
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
     seen = json.loads(done.stdout.strip().splitlines()[-1])

@@ -132,6 +132,7 @@ def test_bad_rows_are_named_and_nothing_is_written(tmp_path, smol, smol_tokenize
         stream(tmp_path, smol_tokenizer_dir, tmp_path / "nothing*.txt", packing())
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_from_its_parts_and_writes_the_uninterrupted_bytes(
     tmp_path, tiny_base_dir, smol_tokenizer_dir, peoples_daily
 ):
@@ -165,6 +166,7 @@ def test_a_killed_run_resumes_from_its_parts_and_writes_the_uninterrupted_bytes(
     assert not work.exists(), "the parts are removed once the dataset is written"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["text", "sft"])
 def test_mixes_equal_the_in_memory_mix(tmp_path, smol, smol_tokenizer_dir, peoples_daily, family):
     """The streamed mix of `data.sources` (each source in parts of its own, rows read across them) writes the bytes

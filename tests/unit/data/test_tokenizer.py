@@ -24,6 +24,7 @@ def corpus(peoples_daily) -> tuple[list[str], list[str]]:
     return peoples_daily[:4000], peoples_daily[-300:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("base_fixture", "kind"), [("smol_tokenizer_dir", "byte_level_bpe"), ("sp_tokenizer_dir", "sentencepiece")]
 )

@@ -194,6 +194,7 @@ def test_bits_per_byte_match_lm_evaluation_harness(trained, tmp_path, peoples_da
     assert ours == pytest.approx(theirs, rel=0.01), (ours, theirs)
 
 
+@pytest.mark.slow
 def test_chunked_logits_score_exactly_as_whole_ones(tiny_model):
     """The head runs on a few positions at a time (the batch x window x vocabulary fp32 logits never exist at
     once); in fp32 the score is the same to the last bit."""
@@ -221,6 +222,7 @@ def test_replicas_score_their_share_of_the_batches_as_one_model_does(tiny_model)
         assert score(replicas, examples, context=32, stride=16, batch_size=2) == one
 
 
+@pytest.mark.slow
 def test_bf16_scores_agree_with_fp32(trained, peoples_daily):
     """bf16 (chosen where the hardware computes it natively) gives the fp32 bits per byte within 1% (relative)."""
     from pipeline.evaluation.likelihood import load_model, text_examples

@@ -20,6 +20,7 @@ from pipeline.export.gguf_roundtrip import F16_MAX_ABS, roundtrip
 from tests.conftest import REPO
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["f16", "q8_0"])
 def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name):
     import gguf
@@ -40,6 +41,7 @@ def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name):
     assert "tokenizer.chat_template" in reader.fields and "tokenizer.ggml.merges" in reader.fields
 
 
+@pytest.mark.slow
 def test_without_the_rotary_row_order_the_proof_fails(tiny_base_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_export, "rope_rows_interleaved", lambda weight, heads: weight)
     export_gguf(model_dir=tiny_base_dir, out=tmp_path / "m.gguf", type_name="f16")

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import json, random, threading
 import torch
@@ -64,6 +66,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 def test_allocator_in_a_fresh_interpreter():
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -63,10 +63,12 @@ def probe(device: str, enabled: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_off_imports_and_changes_nothing():
     assert probe("cpu", "off") == "{} [] [] sdpa False"
 
 
+@pytest.mark.slow
 def test_a_gpu_run_loaded_on_the_cpu_gets_only_device_generic_paths():
     """fp32: the lean norm would need the C++ kernels, so only the MLPs change; nothing compiled or registered."""
     installed, rest = probe("cuda", "auto").split("} ", 1)
@@ -74,6 +76,7 @@ def test_a_gpu_run_loaded_on_the_cpu_gets_only_device_generic_paths():
     assert rest.endswith("sdpa 0") and "pipeline.kernels.attention" not in rest and "allocator" not in rest
 
 
+@pytest.mark.slow
 def test_a_cpu_run_gets_every_path():
     installed, rest = probe("cpu", "auto").split("} ", 1)
     assert "'linear':" in installed and "'attention': 1" in installed

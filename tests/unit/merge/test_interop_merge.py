@@ -197,6 +197,7 @@ def _reload(base: Path):
     return AutoModelForCausalLM.from_pretrained(base), ["q_proj", "v_proj"]
 
 
+@pytest.mark.slow
 def test_evaluate_cli_needs_a_tokenizer_only_when_none_is_there(tmp_path, tiny_base_dir, peoples_daily):
     base = tmp_path / "base"
     shutil.copytree(tiny_base_dir, base, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))

@@ -221,6 +221,7 @@ def test_default_tolerances_catch_a_wrong_scale_or_a_missed_layer(fitted, tmp_pa
     assert gap["max_abs_logit_diff"] > limit_abs and gap["mean_kl"] > limit_kl, gap
 
 
+@pytest.mark.slow
 def test_cli_missing_adapter_exits_2(fitted, tmp_path):
     base, _ = fitted
     command = [sys.executable, "-m", "pipeline", "merge", "--base", str(base), "--adapter", str(tmp_path / "x")]
@@ -268,6 +269,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.slow
 def test_streamed_verification_holds_one_block_at_a_time(tmp_path):
     """On a model of 12 layers of 16 MB each (fp32), the proof's memory grows by about one layer, not the model."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -316,6 +318,7 @@ def test_dora_merges_with_its_row_norm(tmp_path, tiny_base_dir):
     assert report["verification"]["max_abs_logit_diff"] < TOLERANCES["fp32"][0]
 
 
+@pytest.mark.slow
 def test_dora_merged_without_its_norm_fails_the_verification(tmp_path, tiny_base_dir, monkeypatch):
     """m x (W + scale B A), the row norm forgotten: the merge's own verification refuses it and writes nothing."""
     import pipeline.merge.fold

@@ -7,10 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pipeline.model import outline
 from pipeline.model.base_import import import_base
 
 
+@pytest.mark.slow
 def test_the_imported_base_carries_its_outline_read_without_model_code(tiny_base_dir, tmp_path):
     base = tmp_path / "base"
     import_base(source=tiny_base_dir, out_dir=base, tokenizer_dir=tmp_path / "tok", dtype="fp32", max_shard_size="1GB")

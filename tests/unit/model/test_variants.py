@@ -93,6 +93,7 @@ def test_bitsandbytes_that_cannot_quantize_here_is_refused_by_key(monkeypatch):
         check_available("nf4", "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
 def test_the_gpu_probe_runs_apart_and_leaves_the_launching_process_clean():
     """On a GPU the train stage probes bitsandbytes in a child process (here on the CPU, the same path): its answer

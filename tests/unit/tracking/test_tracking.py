@@ -291,6 +291,7 @@ assert not tracker.disabled, "a write was lost"
 """
 
 
+@pytest.mark.slow
 def test_two_pipelines_log_to_one_new_store_at_once(tmp_path: Path):
     uri = f"sqlite:///{tmp_path / 'fresh' / 'mlruns.db'}"  # not created yet: both race to create its tables
     env = {**os.environ, "PYTHONPATH": str(REPO)}
