@@ -8,6 +8,7 @@ replaced, as torch's own writer lays it out."""
 
 from __future__ import annotations
 
+import functools
 import pickletools
 import struct
 from pathlib import Path
@@ -158,11 +159,17 @@ def pickle_of(path: Path) -> tuple[str, bytes]:
     return name, reader.get_record(name)
 
 
+@functools.lru_cache(maxsize=16)
+def records_of(path: Path, modified: int) -> dict[str, bytes]:
+    """A torch zip file's records by name (cached per file version: `modified` is its mtime)."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    return {r: reader.get_record(r) for r in reader.get_all_records()}
+
+
 def rewrite_torch_file(path: Path, out: Path, pickle: bytes) -> None:
     """`path` (a torch zip file) copied to `out` with its data.pkl replaced, record by record through torch's own
     writer (storages aligned as torch.save aligns them)."""
-    reader = torch._C.PyTorchFileReader(str(path))
-    records = {r: reader.get_record(r) for r in reader.get_all_records()}
+    records = records_of(Path(path), Path(path).stat().st_mtime_ns)
     writer = torch._C.PyTorchFileWriter(str(out))
     for record, data in records.items():
         if record in (".data/version", ".data/serialization_id") or record == "version":

@@ -18,8 +18,10 @@ import os
 import pickletools
 import random
 import select
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
@@ -33,6 +35,7 @@ INT_ARGS = {"BININT": "<i", "BININT1": "<B", "BININT2": "<H", "BINPUT": "<B", "B
 LIMITS = (0, 1, 2, 4, 255, 65535, 2**31 - 1, -1, -(2**31), 2**32 - 1)
 CASE_SECONDS = 20.0  # a case still running after this is a hang
 BATCH = 500  # cases per worker process
+SCRATCH = Path("/dev/shm")  # where cases are written, when there is one (memory, not disk)
 TAG = "@pickle-fuzz"  # how the worker's reports stand out from what libraries print
 
 
@@ -239,8 +242,11 @@ def run(*, folder: Path, seconds: float, cases: int | None, seed: int, out: Path
     """Fuzz the files of `folder` for `seconds` (or `cases` cases); the report, with every failure kept in `out`."""
     files = sources(folder)
     out.mkdir(parents=True, exist_ok=True)
-    work = out / "work"
-    work.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="pickle-fuzz-", dir=SCRATCH if SCRATCH.is_dir() else None) as scratch:
+        return _run(files=files, seconds=seconds, cases=cases, seed=seed, out=out, work=Path(scratch))
+
+
+def _run(*, files: list[Path], seconds: float, cases: int | None, seed: int, out: Path, work: Path) -> dict:
     start = time.monotonic()
     counts: Counter = Counter()
     failures: list[dict] = []
@@ -325,7 +331,7 @@ def _keep(case: int, outcome: str, *, seed, files, work, failures: list, out: Pa
     pickles = [crafted.pickle_of(f)[1] for f in files]
     path, kind, _ = write_case(seed, case, files, pickles, work)
     kept = out / f"failure-{case}.pt"
-    path.replace(kept)
+    shutil.move(path, kept)
     counts[(kind, outcome.split()[0])] += 1
     failures.append({"case": case, "mutation": kind, "outcome": outcome, "file": str(kept)})
 

@@ -277,3 +277,19 @@ def test_a_legacy_storage_left_unfilled_is_refused(tmp_path):
     path.write_bytes(data[:keys_at] + pickle.dumps([], protocol=2) + data[stream.tell() :])
     with pytest.raises(safe_pickle.UnsafePickle, match="a storage whose bytes the file does not hold"):
         safe_pickle.load(path)
+
+
+def test_the_small_pickles_of_the_legacy_format_go_through_the_loader_too(tmp_path):
+    """torch's legacy format starts with three small pickles (magic number, protocol, system info) that torch reads
+    with the pickle module's `load`; the first pass handed them to Python's pickle.load, which ran this one."""
+    path, marker = tmp_path / "legacy.pt", tmp_path / "executed"
+    torch.save({"t": torch.zeros(2)}, path, _use_new_zipfile_serialization=False)
+    data = path.read_bytes()
+    stream = io.BytesIO(data)
+    list(pickletools.genops(stream))  # the magic number's pickle, read opcode by opcode
+    magic = OP["LONG1"] + b"\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+    command = crafted.system(marker, crafted.global_("posix", "system")) + OP["POP"]
+    path.write_bytes(OP["PROTO"] + b"\x02" + command + magic + OP["STOP"] + data[stream.tell() :])
+    with pytest.raises(safe_pickle.UnsafePickle, match="GLOBAL posix.system"):
+        safe_pickle.load(path)
+    assert not marker.exists()
