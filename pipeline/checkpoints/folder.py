@@ -118,6 +118,7 @@ def seed_rng(seed: int) -> None:
 
 
 RNG_PARTS = ("python", "numpy", "torch", "cuda")
+CUDA_RNG_BYTES = 16  # a CUDA generator's state: its seed and Philox offset, 8 bytes each (CUDAGeneratorImpl)
 
 
 def read_rng_state(path: Path) -> dict:
@@ -161,8 +162,8 @@ def _rng_problem(state: object) -> str | None:
     if not _bytes_like(state["torch"], size):
         return f"torch: expected a uint8 tensor of {size} bytes"
     cuda = state.get("cuda", [])
-    if type(cuda) is not list or not all(_bytes_like(s, None) for s in cuda):
-        return "cuda: expected a list of uint8 tensors"
+    if type(cuda) is not list or not all(_bytes_like(s, CUDA_RNG_BYTES) for s in cuda):
+        return f"cuda: expected a list of uint8 tensors of {CUDA_RNG_BYTES} bytes"
     return None
 
 
@@ -171,11 +172,11 @@ def _ints(values, low: int, high: int) -> bool:
     return all(type(v) is int and low <= v <= high for v in values)
 
 
-def _bytes_like(value: object, size: int | None) -> bool:
-    """A CPU uint8 vector (of `size` bytes)."""
+def _bytes_like(value: object, size: int) -> bool:
+    """A CPU uint8 vector of `size` bytes."""
     if type(value) is not torch.Tensor or value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
         return False
-    return size is None or value.numel() == size
+    return value.numel() == size
 
 
 def set_rng_state(state: dict) -> None:
