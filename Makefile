@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser nodes run test test-fast test-unit repro-check ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes run test test-fast test-unit repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -52,6 +52,10 @@ repro-check: setup ## run the pipeline twice from scratch on a tiny config and c
 
 ui: setup ## the MLflow UI over the project's store on http://127.0.0.1:$(UI_PORT) (UI_STORE=URI for another)
 	mlflow server --backend-store-uri $(UI_STORE) --host 127.0.0.1 --port $(UI_PORT) --workers 1
+
+fuzz: setup ## the checkpoint loader under the pickle fuzzer for 10 minutes (FUZZ_SECONDS, FUZZ_SEED; report in fuzz-pickles/; 800 cases in make test)
+	PICKLE_FUZZ_SECONDS=$(or $(FUZZ_SECONDS),600) PICKLE_FUZZ_CASES=0 PICKLE_FUZZ_SEED=$(or $(FUZZ_SEED),0) \
+	  PICKLE_FUZZ_OUT=$(CURDIR)/fuzz-pickles pytest -s -p no:cacheprovider tests/integration/test_pickle_fuzz.py
 
 test-unit: setup ## every unit test (no integration: no DeepSpeed launch, DVC or server)
 	pytest -m "not integration"

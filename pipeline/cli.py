@@ -113,8 +113,9 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRUST_HELP = (
-    "unpickle the checkpoint's files whatever they name (your own files only: a pickle from elsewhere can run code); "
-    "off: anything outside the allowlist of docs/checkpoints.md is refused"
+    "read the checkpoint's pickles with Python's own unpickler, which calls whatever functions a file names (your own "
+    "files only: a pickle from elsewhere can run code); off: only the data of docs/checkpoints.md's allowlist is built "
+    "(tensors over the file's own storages, numbers, numeric numpy arrays, DeepSpeed's classes as stand-ins)"
 )
 
 

@@ -13,5 +13,8 @@ and data only):
 - `adapter`: the PEFT adapter format (file names, config, tensor names, other trainers' variants read into it).
 - `consolidate`: a ZeRO tag -> a PEFT adapter folder, verified.
 - `safetensors_stream`: safetensors files read and written one tensor at a time; `model_files`: an HF model
-  folder's tensors in any format (safetensors or weights-only torch pickles) behind one interface.
+  folder's tensors in any format (safetensors or torch pickles) behind one interface.
+- `safe_pickle`: the one loader for every torch pickle the project reads (data only, never code), over
+  `unpickler` (a pickle interpreter with no opcode left to Python's) under `pickle_allowlist` (exact names, checked
+  calls and states); `engine_loads`: DeepSpeed's engine reading a resume's files through it.
 """

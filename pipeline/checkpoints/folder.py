@@ -117,7 +117,70 @@ def seed_rng(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+RNG_PARTS = ("python", "numpy", "torch", "cuda")
+CUDA_RNG_BYTES = 16  # a CUDA generator's state: its seed and Philox offset, 8 bytes each (CUDAGeneratorImpl)
+
+
+def read_rng_state(path: Path) -> dict:
+    """A rank's RNG state file through the checkpoint loader, checked against what `rng_state` writes before any
+    generator sees it: Python's (version 3, 624 uint32 words and a position, a cached gaussian or None), NumPy's
+    MT19937 (a uint32 key of 624, a position, a flag and a float), torch's CPU generator state (uint8, its size),
+    CUDA's (uint8 vectors)."""
+    from pipeline.checkpoints import safe_pickle
+
+    return check_rng_state(safe_pickle.load(path), path)
+
+
+def check_rng_state(state: object, path: Path) -> dict:
+    """`state` (loaded from `path`) if it is what `rng_state` writes, else a ValueError naming the file and the part."""
+    problem = _rng_problem(state)
+    if problem:
+        raise ValueError(f"{path}: not an RNG state as the train stage saves it: {problem}")
+    return state
+
+
+def _rng_problem(state: object) -> str | None:
+    """What makes `state` something other than `rng_state()`'s output, or None."""
+    if type(state) is not dict or not {"python", "numpy", "torch"} <= set(state) <= {*RNG_PARTS}:
+        return "expected a dict of python, numpy, torch (and cuda) states"
+    python = state["python"]
+    if type(python) is not tuple or len(python) != 3 or not _ints([python[0]], 3, 3) or type(python[1]) is not tuple:
+        return "python: expected (3, a tuple of 625 ints, None or a float) as random.getstate() gives"
+    if len(python[1]) != 625 or not _ints(python[1][:-1], 0, 2**32 - 1) or not _ints(python[1][-1:], 0, 624):
+        return "python: expected 624 uint32 words and a position of at most 624"
+    if python[2] is not None and type(python[2]) is not float:
+        return "python: the cached gaussian must be a float or None"
+    numpy = state["numpy"]
+    if type(numpy) is not tuple or len(numpy) != 5 or type(numpy[0]) is not str or numpy[0] != "MT19937":
+        return "numpy: expected ('MT19937', key, pos, has_gauss, cached_gaussian) as np.random.get_state() gives"
+    key = numpy[1]
+    if type(key) is not np.ndarray or key.dtype != np.uint32 or key.shape != (624,):
+        return "numpy: the key must be a uint32 array of 624"
+    if not _ints(numpy[2:3], 0, 624) or not _ints(numpy[3:4], 0, 1) or type(numpy[4]) is not float:
+        return "numpy: expected a position in [0, 624], has_gauss 0 or 1 and a float"
+    size = torch.get_rng_state().numel()
+    if not _bytes_like(state["torch"], size):
+        return f"torch: expected a uint8 tensor of {size} bytes"
+    cuda = state.get("cuda", [])
+    if type(cuda) is not list or not all(_bytes_like(s, CUDA_RNG_BYTES) for s in cuda):
+        return f"cuda: expected a list of uint8 tensors of {CUDA_RNG_BYTES} bytes"
+    return None
+
+
+def _ints(values, low: int, high: int) -> bool:
+    """Every value a Python int in [low, high]."""
+    return all(type(v) is int and low <= v <= high for v in values)
+
+
+def _bytes_like(value: object, size: int) -> bool:
+    """A CPU uint8 vector of `size` bytes."""
+    if type(value) is not torch.Tensor or value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
+        return False
+    return value.numel() == size
+
+
 def set_rng_state(state: dict) -> None:
+    """Set the generators from a state `read_rng_state` checked."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

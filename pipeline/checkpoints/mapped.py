@@ -20,12 +20,6 @@ def is_legacy(path: Path) -> bool:
     return not zipfile.is_zipfile(path)
 
 
-def torch_load(path: Path, *, weights_only: bool, pickle_module=None) -> object:
-    """torch.load on the CPU, memory-mapped unless the file is in the legacy format."""
-    kwargs = {"pickle_module": pickle_module} if pickle_module is not None else {}
-    return torch.load(path, map_location="cpu", mmap=not is_legacy(path), weights_only=weights_only, **kwargs)
-
-
 def release(tensor: torch.Tensor) -> None:
     """Drop the whole pages under a memory-mapped slice from this process's memory (the file keeps them); only
     for tensors of a mapped file."""

@@ -3,21 +3,21 @@
 
 - safetensors, one file or shards with `model.safetensors.index.json`: plain file reads (safetensors_stream.py);
 - PyTorch pickles, `pytorch_model.bin` or shards with `pytorch_model.bin.index.json` (older transformers,
-  DeepSpeed-Chat): loaded with `weights_only=True`, so nothing but tensors and plain containers is ever unpickled,
-  and memory-mapped (see mapped.py)."""
+  DeepSpeed-Chat): loaded through the checkpoint loader (safe_pickle.py: data only, never code) and memory-mapped
+  (see mapped.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from pipeline.checkpoints.mapped import is_legacy, release, torch_load
+from pipeline.checkpoints import safe_pickle
+from pipeline.checkpoints.mapped import is_legacy, release
 from pipeline.checkpoints.safetensors_stream import INDEX, raw_bytes, stored
 
 SAFETENSORS = "model.safetensors"
@@ -73,17 +73,7 @@ class Pickled:
 
 def pickled(path: Path) -> dict[str, Pickled]:
     """Every tensor of a torch.save'd state dict; refused when it holds anything but tensors."""
-    try:
-        state = torch_load(path, weights_only=True)
-    except pickle.UnpicklingError as err:
-        lines = str(err).strip().splitlines()
-        first = next((line for line in lines if "GLOBAL" in line), lines[-1])[:200]  # the global torch refused
-        raise ValueError(
-            f"{path}: not loadable with weights_only=True ({first}): it holds pickled objects other than tensors, "
-            f"which are never unpickled here; save the state dict again (or as safetensors)"
-        ) from None
-    except Exception as err:  # torch raises RuntimeError, EOFError... for a damaged file
-        raise ValueError(f"{path}: cannot be read as a torch.save file (truncated or corrupted?): {err}") from None
+    state = safe_pickle.load(path)
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -95,6 +85,15 @@ def pickled(path: Path) -> dict[str, Pickled]:
 def tensors_of(path: Path) -> dict[str, FileTensor]:
     """Every tensor of one weights file, by its suffix (.safetensors, else a torch.save file)."""
     return dict(stored(path)) if path.suffix == ".safetensors" else dict(pickled(path))
+
+
+def pickled_state_dict(base_dir: Path) -> dict[str, torch.Tensor] | None:
+    """The whole state dict of a model folder whose weights are torch pickles (memory-mapped), None when it has
+    safetensors (transformers reads those itself)."""
+    tensors = model_tensors(base_dir)
+    if all(isinstance(t, Pickled) for t in tensors.values()):
+        return {name: tensor.value for name, tensor in tensors.items()}
+    return None
 
 
 def model_tensors(base_dir: Path) -> dict[str, FileTensor]:

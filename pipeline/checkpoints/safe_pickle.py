@@ -1,127 +1,234 @@
-"""Checkpoint pickles read as data, never as code: one allowlist for every `.pt`/`.bin` file another tool or person
-wrote (DeepSpeed's model and optimizer states, RNG states, universal checkpoints).
+"""Checkpoint pickles read as data, never as code: the one loader for every `.pt`/`.bin` file the project reads
+(DeepSpeed's model and optimizer states, on resume too through `engine_loads`; RNG states; universal checkpoints;
+`.bin` bases and adapters).
 
-A pickle names the functions and classes it calls while loading (its globals). Only these are let through:
-tensors and storages being rebuilt, plain containers, numpy arrays and scalars (RNG states), argparse's Namespace
-(DeepSpeed-Chat's arguments), and DeepSpeed's own classes, which are never imported: its enums become ints and every
-other class an inert stand-in holding its fields. Anything else is refused, naming the file and the global, before
-it runs; `trust=True` (`--trust-pickles` of the CLI commands, for a user's own files) lifts the check.
+`load` is torch.load with a pickle module of ours: its unpickler is `unpickler.Machine` under
+`pickle_allowlist.policy` (exact names, checked calls and BUILDs), and its persistent ids must name storages of the
+file itself: in a zip file a `data/<key>` record of exactly the declared size, stored uncompressed, inside the file;
+in torch's legacy format storages whose sizes add up to no more than the file. torch's tar format (before 1.0) is
+refused unread. Python's own unpickler never sees the file. A refusal raises `UnsafePickle` naming the file and the
+construct; a damaged file `UnreadablePickle`; both are ValueErrors (bad input).
 
-`scan` reads a file's globals without unpickling it (the opcodes of torch's zip format); `load` unpickles through
-the allowlist."""
+`trust=True` or TRUSTED (`--trust-pickles` of consolidate/convert, for a user's own files) lifts all of it: the file
+goes to Python's unpickler, which runs whatever the file names (DeepSpeed's classes still become stand-ins)."""
 
 from __future__ import annotations
 
 import contextvars
-import io
 import pickle
-import pickletools
+import struct
+import tarfile
 import types
 import zipfile
 from pathlib import Path
 
-ALLOWED = {
-    ("collections", "OrderedDict"), ("collections", "defaultdict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytearray"), ("_codecs", "encode"),
-    ("argparse", "Namespace"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor"),
-    ("torch._utils", "_rebuild_parameter"), ("torch._utils", "_rebuild_parameter_with_state"),
-    ("torch._utils", "_rebuild_device_tensor_from_numpy"), ("torch._tensor", "_rebuild_from_type_v2"),
-    ("torch", "Size"), ("torch", "Tensor"), ("torch", "device"), ("torch.nn.parameter", "Parameter"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "scalar"),
-    ("numpy._core.multiarray", "scalar"),
-}  # fmt: skip
-ALLOWED_PREFIXES = ("deepspeed.",)  # replaced by stand-ins, never imported
+import torch
+
+from pipeline.checkpoints import pickle_allowlist
+from pipeline.checkpoints.unpickler import Machine, Malformed, Refused
+
 TRUSTED = contextvars.ContextVar("trust_pickles", default=False)  # --trust-pickles of the CLI commands
 HINT = (
     "it is not data a checkpoint writer we support stores, and unpickling it could run code; if the file is your own, "
     "pass --trust-pickles (python -m pipeline consolidate|convert), or save its tensors again as safetensors"
 )
+MODULE_NAME = "pipeline_checkpoint_pickle"  # how a pickle module of ours is told apart (tests/instrumentation)
 
 
 class UnsafePickle(ValueError):
-    """A pickle that names a global outside the allowlist."""
+    """A pickle that asks for something outside the allowlist."""
 
 
-def allowed(module: str, name: str) -> bool:
-    if (module, name) in ALLOWED or module.startswith(ALLOWED_PREFIXES):
-        return True
-    torch_type = module == "torch" and (name.endswith("Storage") or name in ("float32", "bfloat16", "float16"))
-    return torch_type or (module.startswith("numpy") and module.endswith("dtypes") and name.endswith("DType"))
+class UnreadablePickle(ValueError):
+    """A damaged torch file (truncated, corrupted); `detail` says what broke."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(f"{path}: cannot be read as a torch.save file (truncated or corrupted?): {detail}")
+        self.detail = detail
 
 
-def refusal(path: Path, module: str, name: str) -> UnsafePickle:
-    return UnsafePickle(f"{path}: refused: its pickle names {module}.{name}; {HINT}")
+def load(path: Path, *, trust: bool = False, mmap: bool = True) -> object:
+    """The object a torch.save file holds, through the restricted loader (memory-mapped where the format allows and
+    `mmap`); `trust` or TRUSTED hands it to Python's unpickler instead."""
+    path = Path(path)
+    zipped = _is_zip(path)
+    if trust or TRUSTED.get():
+        return _load_with(path, _trusting_module(), mmap=mmap and zipped)
+    try:
+        if not zipped and tarfile.is_tarfile(path):
+            raise Refused("torch's tar format (before 1.0), which extracts files to read them")
+        storages = _zip_storages(path) if zipped else _LegacyStorages(path.stat().st_size)
+        value = _load_with(path, restricted_module(storages), mmap=mmap and zipped)
+        storages.finish()
+        return value
+    except Refused as err:
+        raise UnsafePickle(f"{path}: refused: {err}; {HINT}") from None
+    except Exception as err:  # Malformed, and torch's RuntimeError, EOFError, KeyError... for a damaged file
+        raise UnreadablePickle(path, f"{type(err).__name__}: {err}"[:600]) from None
 
 
-class _Opaque:
-    """Stands in for a DeepSpeed object inside a checkpoint (a loss scaler, a fragment address): its fields only."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def __setstate__(self, state: object) -> None:
-        self.__dict__.update(state if isinstance(state, dict) else {})
+def check(path: Path) -> None:
+    """Load `path` through the restricted loader and drop it: refused or unreadable files raise (mapped tensors are
+    not read)."""
+    load(path)
 
 
-def unpickler(path: Path, *, trust: bool = False) -> types.SimpleNamespace:
-    """A pickle module for torch.load whose Unpickler lets through the allowlist only (all but DeepSpeed's stand-ins
-    with `trust`)."""
+def check_folder(folder: Path) -> None:
+    """`check` every torch file under `folder` (a universal checkpoint: a folder of files per parameter)."""
+    for path in sorted(Path(folder).rglob("*.pt")):
+        check(path)
+
+
+def restricted_module(file_storages) -> types.SimpleNamespace:
+    """A pickle module for torch.load: an Unpickler that is ours (its persistent ids checked by `file_storages` before
+    torch's own storage loader sees them), and `load` for the small pickles around a legacy file's main one."""
+
+    class Unpickler(Machine):
+        def __init__(self, file, *, encoding: str = "ASCII", errors: str = "strict", **_ignored) -> None:
+            storages = pickle_allowlist.Storages()
+            policy = pickle_allowlist.policy(
+                storage=lambda pid: storages.add(self.persistent_load(file_storages.check(pid))), storages=storages
+            )
+            super().__init__(file, policy, encoding=encoding, errors=errors)
+
+        def persistent_load(self, pid: object) -> object:  # torch sets its storage loader here
+            raise Refused("a persistent id outside torch.load")
+
+    def load_one(file, *, encoding: str = "ASCII", errors: str = "strict", **_ignored) -> object:
+        value = Machine(file, pickle_allowlist.policy(), encoding=encoding, errors=errors).load()
+        file_storages.last_small_pickle = value  # a legacy file's last one lists the storages whose bytes follow
+        return value
+
+    return types.SimpleNamespace(Unpickler=Unpickler, load=load_one, __name__=MODULE_NAME)
+
+
+def _load_with(path: Path, module: types.SimpleNamespace, *, mmap: bool) -> object:
+    return torch.load(path, map_location="cpu", mmap=mmap, weights_only=False, pickle_module=module)
+
+
+def _is_zip(path: Path) -> bool:
+    """What torch.load decides by: a zip archive's local-header magic at the start."""
+    with open(path, "rb") as file:
+        return file.read(4) == b"PK\x03\x04"
+
+
+def _storage_id(pid: object, size: int) -> tuple[pickle_allowlist.StorageKind, str, str, int]:
+    """The (kind, key, location, numel) of a persistent id of `size` fields as torch writes them."""
+    if type(pid) is not tuple or len(pid) != size or pid[0] != "storage":
+        raise Refused(f"a persistent id that is not one of torch's storages ({str(pid)[:80]})")
+    _, kind, key, location, numel = pid[:5]
+    if not isinstance(kind, pickle_allowlist.StorageKind):
+        raise Refused("a persistent id whose storage type is not one of torch's")
+    if type(key) is not str or type(location) is not str or len(location) > 64:
+        raise Refused("a persistent id whose key or location is not a short string")
+    if type(numel) is not int or not 0 <= numel < 2**62:
+        raise Refused("a persistent id with a storage size that is not a count")
+    return kind, key, location, numel
+
+
+class _ZipStorages:
+    """The `data/<key>` records of a torch zip file; a persistent id must name one of them, of its exact size."""
+
+    def __init__(self, records: dict[str, int]) -> None:
+        self.records = records
+        self.declared: dict[str, tuple[torch.dtype, int]] = {}
+        self.last_small_pickle: object = None
+
+    def check(self, pid: object) -> tuple:
+        kind, key, location, numel = _storage_id(pid, 5)
+        if key not in self.records:
+            raise Refused(f"a persistent id naming storage {key[:40]!r}, which is not in the file")
+        nbytes = numel * kind.dtype.itemsize
+        if nbytes != self.records[key] or self.declared.setdefault(key, (kind.dtype, numel)) != (kind.dtype, numel):
+            raise Refused(f"storage {key!r} declared as {nbytes} bytes of {kind.name}, the file holds another size")
+        return ("storage", kind, key, location, numel)  # torch reads the kind's dtype
+
+    def finish(self) -> None:
+        """Nothing to check once a zip file is loaded (every storage was a record of it)."""
+
+
+def _zip_storages(path: Path) -> _ZipStorages:
+    """The file's storage records, each stored uncompressed and lying inside the file (checked before torch maps
+    it)."""
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        infos = archive.infolist()
+        prefix = infos[0].filename.split("/")[0] + "/data/" if infos else ""
+        records = {}
+        for info in infos:
+            if not info.filename.startswith(prefix) or info.filename.endswith("/"):
+                continue
+            raw.seek(info.header_offset)
+            header = raw.read(30)
+            if len(header) != 30 or header[:4] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+                raise Refused(f"storage record {info.filename} is compressed or has no local header")
+            name_length, extra_length = struct.unpack("<HH", header[26:30])
+            if info.header_offset + 30 + name_length + extra_length + info.file_size > size:
+                raise Malformed(f"storage record {info.filename} runs past the end of the file")
+            records[info.filename[len(prefix) :]] = info.file_size
+    return _ZipStorages(records)
+
+
+class _LegacyStorages:
+    """Storages of torch's legacy format: read from the file after the pickle, so together no larger than it."""
+
+    def __init__(self, file_size: int) -> None:
+        self.left = file_size
+        self.declared: dict[str, tuple[torch.dtype, int]] = {}
+        self.counted: set[str] = set()
+        self.last_small_pickle: object = None
+
+    def check(self, pid: object) -> tuple:
+        kind, key, location, numel = _storage_id(pid, 6)
+        view = pid[5]
+        if view is not None:
+            if type(view) is not tuple or len(view) != 3 or type(view[0]) is not str:
+                raise Refused("a storage view that is not (key, offset, size)")
+            if not all(type(v) is int and v >= 0 for v in view[1:]) or view[1] + view[2] > numel:
+                raise Refused("a storage view outside its storage")
+        if self.declared.setdefault(key, (kind.dtype, numel)) != (kind.dtype, numel):
+            raise Refused(f"storage {key!r} declared twice with different sizes")
+        if key not in self.counted:
+            self.counted.add(key)
+            self.left -= numel * kind.dtype.itemsize
+            if self.left < 0:
+                raise Refused("storages larger than the file that holds them")
+        return ("storage", kind, key, location, numel, view)
+
+    def finish(self) -> None:
+        """Every storage the pickle made was filled from the file (torch fills those its last small pickle lists;
+        any other would keep whatever memory it was given)."""
+        listed = self.last_small_pickle
+        if type(listed) is not list or not self.counted <= set(listed):
+            raise Refused("a storage whose bytes the file does not hold")
+
+
+def _trusting_module() -> types.SimpleNamespace:
+    """Python's unpickler, whatever the file names, except that DeepSpeed's classes still become stand-ins (so
+    consolidate needs no DeepSpeed)."""
+    stand_ins = {(m, n): _trusted_stand_in(f"{m}.{n}") for m, n in pickle_allowlist.DEEPSPEED_CLASSES}
+    stand_ins.update({name: int for name in pickle_allowlist.DEEPSPEED_ENUMS})
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str):
-            if module.split(".")[0] == "deepspeed":
-                return int if name.endswith("Enum") else _Opaque
-            if not trust and not allowed(module, name):
-                raise refusal(path, module, name)
-            return super().find_class(module, name)
+            return stand_ins.get((module, name)) or super().find_class(module, name)
 
-    return types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="pipeline_checkpoint_pickle")
+    return types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="trusted_pickle")
 
 
-def load(path: Path, *, trust: bool = False) -> object:
-    """torch.load of `path` through the allowlist (memory-mapped where the file's format allows); `trust` or
-    TRUSTED lifts it."""
-    from pipeline.checkpoints.mapped import torch_load
+def _trusted_stand_in(name: str) -> type:
+    """A StandIn class for Python's unpickler (which makes objects with `__new__` and sets their state)."""
 
-    return torch_load(path, weights_only=False, pickle_module=unpickler(path, trust=trust or TRUSTED.get()))
+    class Trusted(pickle_allowlist.StandIn):
+        def __new__(cls, *args, **kwargs):
+            made = object.__new__(cls)
+            pickle_allowlist.StandIn.__init__(made, name)
+            return made
 
+        def __init__(self, *args, **kwargs) -> None:
+            pass
 
-def globals_of(data: bytes) -> list[tuple[str, str]]:
-    """The globals a pickle names, from its opcodes alone; a global whose name is not a plain string pushed just
-    before it (built on the stack) is returned as ("?", "a computed name")."""
-    found, pushed = [], []  # pushed: the strings pushed so far, None for anything else pushed
-    for opcode, argument, _ in pickletools.genops(io.BytesIO(data)):
-        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-            pushed.append(argument)
-        elif opcode.name == "GLOBAL":
-            module, _, name = argument.partition(" ")
-            found.append((module, name))
-        elif opcode.name == "STACK_GLOBAL":
-            named = len(pushed) >= 2 and None not in pushed[-2:]
-            found.append((pushed[-2], pushed[-1]) if named else ("?", "a computed name"))
-        elif opcode.name not in ("MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):
-            pushed.append(None)
-    return found
+        def __setstate__(self, state: object) -> None:
+            self.fields.update(state if isinstance(state, dict) else {})
 
-
-def scan(path: Path, *, trust: bool = False) -> None:
-    """Refuse `path` (a torch file) if its pickle names a global outside the allowlist, without unpickling it;
-    torch's legacy format (not a zip) is unpickled through the allowlist instead."""
-    if trust or TRUSTED.get():
-        return
-    if not zipfile.is_zipfile(path):
-        load(path)
-        return
-    with zipfile.ZipFile(path) as archive:
-        for member in archive.namelist():
-            if member.endswith(".pkl"):
-                for module, name in globals_of(archive.read(member)):
-                    if not allowed(module, name):
-                        raise refusal(path, module, name)
-
-
-def scan_folder(folder: Path, *, trust: bool = False) -> None:
-    """`scan` every torch file under `folder` (a universal checkpoint: a folder of files per parameter)."""
-    for path in sorted(Path(folder).rglob("*.pt")):
-        scan(path, trust=trust)
+    return Trusted

@@ -34,11 +34,12 @@ def load(path: Path) -> dict:
     `"checkpoint": {"checkpoint_serialization": false}` are in torch's legacy format, which cannot be mapped: those
     are read whole)."""
     try:
-        return safe_pickle.load(path, trust=safe_pickle.TRUSTED.get())
+        return safe_pickle.load(path)
     except safe_pickle.UnsafePickle:
         raise
-    except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError... for a damaged file
-        raise ValueError(f"{path}: cannot be read as a DeepSpeed shard (truncated or corrupted?): {err}") from err
+    except Exception as err:  # a damaged file (with --trust-pickles: torch's RuntimeError, EOFError...)
+        detail = getattr(err, "detail", err)
+        raise ValueError(f"{path}: cannot be read as a DeepSpeed shard (truncated or corrupted?): {detail}") from None
 
 
 @dataclass(frozen=True)

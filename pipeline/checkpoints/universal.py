@@ -73,11 +73,11 @@ def to_universal(tag_dir: Path, out_dir: Path, workers: int = 1) -> dict:
 
 
 def ensure_universal(tag_dir: Path, workers: int = 1) -> tuple[Path, dict | None]:
-    """The universal form of `tag_dir` beside it: the complete one already there (manifest None; its files scanned
+    """The universal form of `tag_dir` beside it: the complete one already there (manifest None; its files checked
     by safe_pickle), else written now (its manifest), after removing what a conversion that was killed left."""
     out = universal_path(tag_dir)
     if is_universal(out):  # received with the checkpoint, perhaps: read as data like the tag's own files
-        safe_pickle.scan_folder(out)
+        safe_pickle.check_folder(out)
         return out, None
     for stale in tag_dir.parent.glob(f".{out.name}.tmp-*"):
         shutil.rmtree(stale)
@@ -137,7 +137,7 @@ def load_universal(engine, folder: Path) -> dict:
     for name, param in trainable.items():
         shape = tuple(getattr(param, "ds_shape", param.shape))
         for kind in KINDS:
-            value = torch.load(zero / name / f"{kind}.pt", map_location="cpu", weights_only=True)["param"].float()
+            value = parameter_file(zero / name / f"{kind}.pt").float()
             if tuple(value.shape) != shape:
                 raise ValueError(f"{zero / name / kind}.pt: shape {tuple(value.shape)}, the model's is {shape}")
             if kind == "fp32":
@@ -146,7 +146,7 @@ def load_universal(engine, folder: Path) -> dict:
                 _place_zero3(param, value, kind)
             else:
                 safe_set_full_optimizer_state(param, value, kind)
-        step = int(torch.load(zero / name / "step.pt", weights_only=True))
+        step = _step(zero / name / "step.pt")
     for state in engine.optimizer.optimizer.state.values():
         if "step" in state:
             old = state["step"]
@@ -160,6 +160,24 @@ def load_universal(engine, folder: Path) -> dict:
     engine.global_samples = model_state.get("global_samples", 0)
     engine.skipped_steps = model_state.get("skipped_steps", 0)
     return model_state
+
+
+def parameter_file(path: Path) -> torch.Tensor:
+    """The tensor of a universal checkpoint's `{"cat_dim": 0, "param": tensor}` file, through safe_pickle."""
+    saved = safe_pickle.load(path)
+    if not isinstance(saved, dict) or not isinstance(saved.get("param"), torch.Tensor):
+        raise ValueError(f"{path}: expected {{'cat_dim': 0, 'param': tensor}} as a universal checkpoint holds")
+    return saved["param"]
+
+
+def _step(path: Path) -> int:
+    """A universal checkpoint's `step.pt`: Adam's step as a one-number tensor (or a number)."""
+    saved = safe_pickle.load(path)
+    if isinstance(saved, torch.Tensor) and saved.numel() == 1:
+        return int(saved)
+    if type(saved) in (int, float):
+        return int(saved)
+    raise ValueError(f"{path}: expected Adam's step as one number")
 
 
 def set_master(param, value: torch.Tensor) -> None:

@@ -202,9 +202,8 @@ def load_model(model_dir: Path, adapter_dir: Path | None, *, precision: str = "a
 def load_replicas(model_dir: Path, adapter_dir: Path | None, *, precision: str = "auto", most: int | None = None):
     """`load_model`'s model on each GPU that holds it whole (at most `most`), for data-parallel scoring; one model
     where there is no GPU or none holds it."""
-    from transformers import AutoModelForCausalLM
-
     from pipeline.core.precision import inference_dtype
+    from pipeline.model import pretrained
 
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json; expected an HF model folder")
@@ -213,7 +212,7 @@ def load_replicas(model_dir: Path, adapter_dir: Path | None, *, precision: str =
     free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())] if cuda else []
     models = []
     for placement in device_maps(model_bytes(model_dir, dtype), free)[:most]:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=placement)
+        model = pretrained.causal_lm(model_dir, dtype=dtype, device_map=placement)
         models.append((with_adapter(model, adapter_dir) if adapter_dir is not None else model).eval())
     return models
 
@@ -258,7 +257,7 @@ def with_adapter(model, adapter_dir: Path):
     embed = f"{adapter.PREFIX}{modules[id(model.get_input_embeddings())]}.weight"
     if embed in tensors and tensors[embed].shape[0] != model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(tensors[embed].shape[0], mean_resizing=False)
-    if as_saved:
+    if as_saved and adapter.weights_file(adapter_dir).name == adapter.WEIGHTS:  # PEFT would unpickle a .bin itself
         return PeftModel.from_pretrained(model, str(adapter_dir))
     with tempfile.TemporaryDirectory(prefix="adapter-") as tmp:
         entries = [(key, tuple(t.shape), t.dtype) for key, t in tensors.items()]

@@ -2,6 +2,7 @@
 
 - `base_import`: a GGUF file or an HF folder -> one plain HF safetensors folder, checked to compute the same logits.
 - `base_weights`: a base's tensors loaded in a dtype, whole or (under ZeRO-3) one rank's partition at a time.
+- `pretrained`: from_pretrained for a folder in any weight format (torch pickles read by the checkpoint loader).
 - `outline`: the base's module outline (layers, Linear layers, head) written once, read instead of the architecture.
 - `lora`: the PEFT LoRA model (targets checked, DoRA, LoRA+ parameter groups, vocabulary resize).
 - `quantization`: a bitsandbytes-quantized base (QLoRA nf4, int8).

@@ -11,7 +11,7 @@ import torch
 from pipeline.core.atomic import atomic_path
 from pipeline.core.precision import DTYPES
 from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
-from pipeline.model import outline
+from pipeline.model import outline, pretrained
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -92,12 +92,11 @@ def _load_gguf(path: Path):
 
 
 def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_size: str) -> None:
-    """Hard-link (or copy) a safetensors HF folder; other weight formats are converted to safetensors."""
-    from transformers import AutoModelForCausalLM
-
+    """Hard-link (or copy) a safetensors HF folder; torch pickles are read through the checkpoint loader and written
+    as safetensors."""
     weights = [p for pattern in WEIGHT_FILES for p in sorted(source.glob(pattern))]
     if not any(p.suffix == ".safetensors" for p in weights):
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = pretrained.causal_lm(source, dtype=dtype)
         model.save_pretrained(dst, max_shard_size=max_shard_size)
         return
     dst.mkdir(parents=True)

@@ -9,7 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline.checkpoints import folder, safe_pickle
+from pipeline.checkpoints import engine_loads, folder, safe_pickle
 from pipeline.checkpoints.universal import ensure_universal, load_universal, universal_path
 from pipeline.core.atomic import read_json
 from pipeline.core.log import logger
@@ -54,10 +54,7 @@ def prepare(*, directory: Path, state: RunState, resume_from: Path | None, conve
             raise FileNotFoundError(f"train.resume_from: {resume_from} holds no checkpoint ('latest' missing)")
         saved, source = folder.read_state(resume_from, tag), resume_from / tag
     if source is not None:
-        for pickled in sorted(source.glob("*.pt")):  # before DeepSpeed's loader or a conversion reads any of them
-            safe_pickle.scan(pickled)
-        if universal_path(source).is_dir():  # a conversion's result beside the tag, which a resume would load
-            safe_pickle.scan_folder(universal_path(source))
+        check_pickles(source)
         folder.check_same_model(saved, source.parent, dataclasses.asdict(state.identity))
         folder.check_same_rates(saved, source.parent, state.variant.lr_ratio)
     directory.mkdir(parents=True, exist_ok=True)
@@ -90,6 +87,20 @@ def prepare(*, directory: Path, state: RunState, resume_from: Path | None, conve
     return Resume(universal=out)
 
 
+def check_pickles(tag_dir: Path) -> None:
+    """Read every pickle a resume from `tag_dir` would load through the restricted loader now, so that a refusal
+    comes before a rank starts or anything is written: the tag's files (RNG states against their schema) and the
+    tag's universal form where one lies beside it (a run of another layout loads that form). The ranks read them
+    through the same loader again (`load`)."""
+    for path in sorted(tag_dir.glob("*.pt")):
+        if path.name.startswith("rng_state_rank"):
+            folder.read_rng_state(path)
+        else:
+            safe_pickle.check(path)
+    if universal_path(tag_dir).is_dir():
+        safe_pickle.check_folder(universal_path(tag_dir))
+
+
 def load(*, engine, resume: Resume, seed: int) -> dict | None:
     """Load what the run continues from into `engine` and return its trainer state (None: a fresh start): the
     universal checkpoint of another layout (each rank's RNG is then reseeded from the seed, step and rank:
@@ -104,6 +115,7 @@ def load(*, engine, resume: Resume, seed: int) -> dict | None:
         return saved
     if resume.source is None or (tag := folder.latest_tag(resume.source)) is None:
         return None
+    engine_loads.restrict(engine)  # DeepSpeed reads the tag's files through safe_pickle, not its own torch.load
     engine.load_checkpoint(str(resume.source), tag=tag, load_module_strict=False)
-    folder.set_rng_state(safe_pickle.load(folder.rng_file(resume.source, tag, rank)))
+    folder.set_rng_state(folder.read_rng_state(folder.rng_file(resume.source, tag, rank)))
     return folder.read_state(resume.source, tag)

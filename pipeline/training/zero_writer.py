@@ -37,7 +37,7 @@ def to_zero(
         )
     if not (base / "config.json").is_file():
         raise FileNotFoundError(f"--base: {base}/config.json missing; expected the base model's HF folder")
-    safe_pickle.scan_folder(universal)  # before a rank reads one of its files
+    safe_pickle.check_folder(universal)  # before a rank starts (each reads its files through safe_pickle again)
     port = port or free_port()
     launcher = ["deepspeed", "--num_gpus", str(world_size), "--master_addr", "127.0.0.1", "--master_port", str(port)]
     env = {**with_venv_path(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

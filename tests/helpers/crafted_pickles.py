@@ -1,0 +1,189 @@
+"""Hostile pickles written opcode by opcode from pickle's own definition (pickletools' opcode table), never by our
+loader's code or Python's pickler: each payload pushes one value that, under Python's unpickler, would run
+`touch MARKER` (or build an object-dtype array whose items are forged pointers), and torch files carrying them.
+
+`payloads(marker)` names each construct as the loader's refusal names it; `splice` puts a payload into an existing
+pickle as one more item of its top-level dict; `rewrite_torch_file` writes a torch zip file with its data.pkl
+replaced, as torch's own writer lays it out."""
+
+from __future__ import annotations
+
+import functools
+import pickletools
+import struct
+from pathlib import Path
+
+import torch
+
+OP = {op.name: op.code.encode("latin-1") for op in pickletools.opcodes}
+EXT_CODE = 0xF0  # the copyreg extension code a test registers for posix.system
+FORGED = b"\x41" * 8  # what an object-dtype array's item would be read as: the pointer 0x4141414141414141
+# Every module the allowlist names a global of (dotted names under each must be refused).
+ALLOWED_MODULES = (
+    "collections", "builtins", "_codecs", "argparse", "torch", "torch._utils", "torch._tensor", "torch.nn.parameter",
+    "numpy", "numpy.core.multiarray", "numpy._core.multiarray", "deepspeed.runtime.fp16.loss_scaler",
+    "deepspeed.utils.tensor_fragment", "deepspeed.runtime.zero.config",
+)  # fmt: skip
+
+
+# A dotted name from each allowed module to the os module (deepspeed 0.19.8, torch 2.13, numpy 2.4), where one is
+# within three attributes; the others get `os.system`, which Python's unpickler fails to resolve.
+DOTTED = {
+    "argparse": "_os", "torch": "os", "torch._utils": "os", "torch._tensor": "torch.os",
+    "torch.nn.parameter": "torch.os", "numpy": "_pytesttester.os", "numpy._core.multiarray": "overrides.inspect.os",
+    "deepspeed.runtime.fp16.loss_scaler": "dist.os", "deepspeed.utils.tensor_fragment": "dist.os",
+    "deepspeed.runtime.engine": "os",
+}  # fmt: skip
+DOTTED_LIVE = {f"{module}.{path}" for module, path in DOTTED.items()}
+
+
+def text(value: str) -> bytes:
+    """BINUNICODE: a str."""
+    data = value.encode("utf-8")
+    return OP["BINUNICODE"] + struct.pack("<I", len(data)) + data
+
+
+def raw(value: bytes) -> bytes:
+    """BINBYTES: bytes (protocol 3)."""
+    return OP["BINBYTES"] + struct.pack("<I", len(value)) + value
+
+
+def small(value: int) -> bytes:
+    """BININT: a 32-bit int."""
+    return OP["BININT"] + struct.pack("<i", value)
+
+
+def global_(module: str, name: str) -> bytes:
+    return OP["GLOBAL"] + f"{module}\n{name}\n".encode()
+
+
+def tuple_(*items: bytes) -> bytes:
+    return OP["MARK"] + b"".join(items) + OP["TUPLE"]
+
+
+def call(func: bytes, *args: bytes) -> bytes:
+    """REDUCE: func(*args)."""
+    return func + tuple_(*args) + OP["REDUCE"]
+
+
+def system(marker: Path, func: bytes) -> bytes:
+    return call(func, text(f"touch {marker}"))
+
+
+def numpy_dtype(spec: str, state: tuple | None = None) -> bytes:
+    """numpy.dtype(spec, False, True), with BUILD of (3, byteorder, subarray, names, fields, elsize, align, flags)."""
+    made = call(global_("numpy", "dtype"), text(spec), OP["NEWFALSE"], OP["NEWTRUE"])
+    if state is None:
+        return made
+    order, elsize, alignment, flags = state
+    fields = small(3) + text(order) + OP["NONE"] * 3 + small(elsize) + small(alignment) + small(flags)
+    return made + tuple_(fields) + OP["BUILD"]
+
+
+def numpy_array(dtype: bytes, count: int, data: bytes) -> bytes:
+    """numpy's _reconstruct(ndarray, (0,), b'b') then BUILD (1, (count,), dtype, False, data)."""
+    empty = call(
+        global_("numpy._core.multiarray", "_reconstruct"), global_("numpy", "ndarray"), tuple_(small(0)), raw(b"b")
+    )
+    state = tuple_(small(1), tuple_(small(count)), dtype, OP["NEWFALSE"], raw(data))
+    return empty + state + OP["BUILD"]
+
+
+def object_array() -> bytes:
+    """An array of dtype 'O' whose one item is the forged pointer 0x4141414141414141."""
+    return numpy_array(numpy_dtype("O8", ("|", -1, -1, 0)), 1, FORGED)
+
+
+def forged_void_array() -> bytes:
+    """A void dtype whose BUILD claims object items (numpy's NPY_ITEM_HASOBJECT and friends), over forged bytes."""
+    return numpy_array(numpy_dtype("V8", ("|", 8, 1, 0x3F)), 1, FORGED)
+
+
+def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
+    """{construct: (payload, what a refusal of it names)}; each payload pushes exactly one value, and those whose
+    name says so would run `touch marker` under Python's unpickler (`live`)."""
+    command = text(f"touch {marker}")
+    new = OP["EMPTY_TUPLE"] + OP["NEWOBJ"]
+    namespace = global_("argparse", "Namespace") + new + OP["EMPTY_DICT"] + text("hook")
+    scaler = global_("deepspeed.runtime.fp16.loss_scaler", "LossScaler") + new + OP["EMPTY_DICT"] + text("__class__")
+    outside = tuple_(text("storage"), global_("torch", "FloatStorage"), text("999"), text("cpu"), small(4))
+    inst = OP["MARK"] + OP["STRING"] + f"'touch {marker}'\n".encode() + b"ios\nsystem\n"
+    found = {
+        "GLOBAL posix.system": (system(marker, global_("posix", "system")), "GLOBAL posix.system"),
+        "INST os.system": (inst, "INST os.system"),
+        "INST of an allowed class": (OP["MARK"] + b"icollections\nOrderedDict\n", "INST collections.OrderedDict"),
+        "OBJ os.system": (OP["MARK"] + global_("os", "system") + command + OP["OBJ"], "GLOBAL os.system"),
+        "OBJ of an allowed class": (OP["MARK"] + global_("collections", "OrderedDict") + OP["OBJ"], "OBJ collections"),
+        "EXT1 posix.system": (OP["EXT1"] + bytes([EXT_CODE]) + tuple_(command) + OP["REDUCE"], "EXT1 extension code"),
+        "NEWOBJ argparse.Namespace whose state calls posix.system": (
+            namespace + system(marker, global_("posix", "system")) + OP["SETITEM"] + OP["BUILD"],
+            "GLOBAL posix.system",
+        ),
+        "NEWOBJ of a loss scaler with a state of Python's own fields": (
+            scaler + global_("numpy", "ndarray") + OP["SETITEM"] + OP["BUILD"],
+            "LossScaler with a field named like Python's own (__class__)",
+        ),
+        "numpy array of object dtype": (object_array(), "an object dtype"),
+        "numpy void dtype claiming object items": (forged_void_array(), "numpy dtype 'V8'"),
+        "a persistent id naming a storage outside the file": (outside + OP["BINPERSID"], "persistent id"),
+    }
+    for module in (*ALLOWED_MODULES, "deepspeed.runtime.engine"):  # protocol 4 walks a dotted name attribute-wise
+        name = f"{DOTTED.get(module, 'os')}.system"
+        found[f"STACK_GLOBAL {module}.{name}"] = (
+            OP["PROTO"] + b"\x04" + call(text(module) + text(name) + OP["STACK_GLOBAL"], command),
+            f"STACK_GLOBAL {module}.{name}",
+        )
+    return found
+
+
+LIVE = ("GLOBAL posix.system", "INST os.system", "OBJ os.system", "EXT1 posix.system", "NEWOBJ argparse.Namespace")
+
+
+def live(construct: str) -> bool:
+    """Whether Python's unpickler runs the payload's command (with EXT_CODE registered for posix.system)."""
+    dotted = construct.startswith("STACK_GLOBAL") and construct.split()[1].rsplit(".", 1)[0] in DOTTED_LIVE
+    return construct.startswith(LIVE) or dotted
+
+
+def splice(pickle: bytes, key: str, payload: bytes) -> bytes:
+    """`pickle` (whose value is a dict, ending in STOP) with `key` set to the payload's value, last."""
+    if not pickle.endswith(OP["STOP"]):
+        raise ValueError("expected a pickle ending in STOP")
+    return pickle[:-1] + text(key) + payload + OP["SETITEM"] + OP["STOP"]
+
+
+def pickle_of(path: Path) -> tuple[str, bytes]:
+    """A torch zip file's data.pkl record name and bytes."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    name = next(r for r in reader.get_all_records() if r.endswith("data.pkl"))
+    return name, reader.get_record(name)
+
+
+@functools.lru_cache(maxsize=16)
+def records_of(path: Path, modified: int) -> dict[str, bytes]:
+    """A torch zip file's records by name (cached per file version: `modified` is its mtime)."""
+    reader = torch._C.PyTorchFileReader(str(path))
+    return {r: reader.get_record(r) for r in reader.get_all_records()}
+
+
+def rewrite_torch_file(path: Path, out: Path, pickle: bytes) -> None:
+    """`path` (a torch zip file) copied to `out` with its data.pkl replaced, record by record through torch's own
+    writer (storages aligned as torch.save aligns them)."""
+    records = records_of(Path(path), Path(path).stat().st_mtime_ns)
+    writer = torch._C.PyTorchFileWriter(str(out))
+    for record, data in records.items():
+        if record in (".data/version", ".data/serialization_id") or record == "version":
+            continue  # the writer adds these itself
+        body = pickle if record.endswith("data.pkl") else data
+        writer.write_record(record, body, len(body))
+    writer.write_end_of_file()
+
+
+def carry(path: Path, key: str, payload: bytes, out: Path | None = None) -> Path:
+    """Rewrite the torch file `path` (or write `out`) so that its top-level dict also holds `key`: the payload."""
+    _, original = pickle_of(path)
+    target = out or path
+    temporary = target.with_name(target.name + ".crafting")
+    rewrite_torch_file(path, temporary, splice(original, key, payload))
+    temporary.replace(target)
+    return target
