@@ -27,6 +27,8 @@ from tools.repro_check import sh
 pytestmark = pytest.mark.integration
 OBJECTIVE = "eval.in_domain.adapter.bits_per_byte"
 SCREENSHOT = REPO / "logs" / "ui" / "compare_runs.png"
+BROWSER = shutil.which("chromium"), shutil.which("chromedriver")
+NO_BROWSER = "chromium and chromedriver are not installed (`make browser` installs Debian's, as root)"
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +177,9 @@ def test_ui_server_serves_runs_metrics_and_artifacts(ui, queued):
         assert {f["path"] for f in listed["files"]} == {"plots/eval_bits_per_byte.png", "plots/train_curve.png"}
 
 
+@pytest.mark.needs(None if all(BROWSER) else NO_BROWSER)
 def test_compare_runs_view_in_a_real_browser(ui, queued):
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("chromium and chromedriver are not installed (`make browser` installs Debian's, as root)")
+    chromium, driver = BROWSER
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service

@@ -121,7 +121,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
         torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed here")
+@pytest.mark.needs(None if importlib.util.find_spec("bitsandbytes") else "bitsandbytes is missing (make setup)")
 def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, tiny_base_dir):
     """The train stage on an nf4 base, 2 ranks under ZeRO-3 in bf16, DoRA with LoRA+ on all-linear; consolidated,
     merged into the unquantized base within the fp32 proof, and its gap to the nf4 base it trained on measured."""
