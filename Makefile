@@ -55,7 +55,7 @@ repro-check: setup ## run the pipeline twice from scratch on a tiny config and c
 	python -m tools.repro_check
 
 ui: setup ## the MLflow UI over the project's store on http://127.0.0.1:$(UI_PORT) (UI_STORE=URI for another)
-	mlflow server --backend-store-uri $(UI_STORE) --host 127.0.0.1 --port $(UI_PORT) --workers 1
+	python -m tools.ui --store $(UI_STORE) --port $(UI_PORT)
 
 test-unit: setup ## the fast tests only
 	pytest -m "not integration"
