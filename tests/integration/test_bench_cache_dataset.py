@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench.cache_dataset import GOALS
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.environment import with_venv_path
 from tests.conftest import REPO
@@ -42,5 +43,7 @@ def test_smoke_measures_both_sides_on_the_same_tokens(tmp_path, tiny_base_dir):
     for run in figures["text"].values():
         assert run["bare_encode_tokens_per_s"] > 0 and run["ours_over_bare"] > 0
     assert figures["text"]["4mb"]["ours_tokens"] > 1.9 * figures["text"]["2mb"]["ours_tokens"]
-    assert figures["ours_peak_flatness"] >= 0
+    # Streamed, our peak does not grow with the corpus (2 -> 4 MB: a few %); held in memory it would grow by about
+    # 100 MB (104 bytes a token), 0.2x and more of the stage's peak.
+    assert figures["ours_peak_flatness"] <= GOALS["ours_peak_flatness"], figures["ours_peak_flatness"]
     assert "| tokens/s ratio |" in done.stdout
