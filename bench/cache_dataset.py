@@ -2,7 +2,7 @@
 
     python -m bench.cache_dataset                              # 100 MB and 1 GB of text, 500k SFT rows
     python -m bench.cache_dataset --sizes-mb 100 --sft-rows 50000
-    python -m bench.cache_dataset --smoke --work DIR           # the same path at 2 and 4 MB, 2k rows
+    python -m bench.cache_dataset --smoke --work DIR           # the same path at 4 and 8 MB, 2k rows
 
 Ours is `python -m stages.cache_dataset` as `dvc repro` runs it (a copy of params.yaml pointing data.train_file at
 the generated corpus; `--workers <cores>` where the stage has that option). The reference is Chinese-LLaMA-Alpaca-2's
@@ -299,10 +299,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", type=Path, default=REPO / "artifacts/tokenizer", help="tokenizer folder")
     base_config = REPO / "artifacts/base/config.json"
     parser.add_argument("--base-config", type=Path, default=base_config, help="base model config.json")
-    parser.add_argument("--smoke", action="store_true", help="2 and 4 MB, 2k SFT rows; figures to --work only")
+    parser.add_argument("--smoke", action="store_true", help="4 and 8 MB, 2k SFT rows; figures to --work only")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.sizes_mb, args.sft_rows = [2, 4], 2000
+        args.sizes_mb, args.sft_rows = [4, 8], 2000  # both sizes hold 2+ parts: both workers busy
     guarded(lambda: run(args))
 
 

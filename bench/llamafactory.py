@@ -1,6 +1,12 @@
 """LLaMA-Factory, the peer of bench/train.py and bench/preference.py, run as its users run it: `llamafactory-cli
 train cfg.yaml` with FORCE_TORCHRUN=1 (torchrun: one OpenMP thread per rank), HF Trainer + DeepSpeed + PEFT
-underneath, in its own virtual environment built here from the package registry (pinned)."""
+underneath, in its own virtual environment built from the package registry (pinned) into the user's cache folder once
+(the smoke runs of `make test` build it too, and fail where it cannot be built).
+
+Each comparison is shown twice: at equal work (activation checkpointing off on both sides: ours does not recompute
+on a CPU, LLaMA-Factory is given `disable_gradient_checkpointing`), and at each side's defaults (LLaMA-Factory
+recomputes activations by default). A benchmark fails, rather than report a ratio, where the two sides did not train
+the same tokens or their loss logs do not pair up."""
 
 from __future__ import annotations
 
@@ -14,11 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
+from filelock import FileLock
 
 from pipeline.core.environment import free_port
 
 VERSION = "0.9.5"
-VENV = Path(".bench") / f"llamafactory-{VERSION}"
+# Outside the checkout: built once per machine (about 3 minutes, 1.6 GB), shared by clones and worktrees.
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-lora-pipeline"
+VENV = CACHE / f"llamafactory-{VERSION}"
 # Same torch and DeepSpeed as ours; LLaMA-Factory pins its own transformers/peft/datasets range.
 PINS = [f"llamafactory=={VERSION}", "torch==2.13.0", "deepspeed==0.19.8"]
 # It imports torchaudio unconditionally (audio datasets) and no torchaudio wheel loads beside the CPU torch 2.13;
@@ -31,10 +40,19 @@ def python() -> Path:
 
 
 def ensure_venv() -> Path:
-    """The peer's interpreter, building its environment on first use (a few minutes, from the registry)."""
+    """The peer's interpreter, building its environment on first use (a few minutes, from the registry); one process
+    builds it while others wait."""
     done = VENV / ".complete"
-    if done.exists():
-        return python()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{VENV}.lock"):
+        if done.exists():
+            return python()
+        _build()
+        done.write_text(json.dumps(PINS) + "\n")
+    return python()
+
+
+def _build() -> None:
     print(f"bench: building LLaMA-Factory {VERSION}'s environment in {VENV} (once)", flush=True)
     venv.create(VENV, with_pip=True, clear=True)
     pip = [str(python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
@@ -51,8 +69,6 @@ def ensure_venv() -> Path:
         stub.mkdir(exist_ok=True)
         (stub / "__init__.py").write_text(TORCHAUDIO_STUB)
     subprocess.run([str(python()), "-c", "import llamafactory, deepspeed"], check=True, capture_output=True)
-    done.write_text(json.dumps(PINS) + "\n")
-    return python()
 
 
 # LLaMA-Factory's examples/deepspeed/ds_z2_config.json: what its users pass as `deepspeed:` (HF fills the "auto"s).
@@ -102,11 +118,13 @@ STAGES = {"text": ("pt", "corpus"), "chat": ("sft", "chat"), "pairs": ("dpo", "p
 
 
 def config(*, base: Path, data: Path, kind: str, precision: str, steps: int, micro: int, block: int, lr: float,
-           work: Path, tokenized: Path, warmup_steps: int = 2, beta: float = 0.1) -> dict:  # fmt: skip
+           work: Path, tokenized: Path, warmup_steps: int = 2, beta: float = 0.1,
+           checkpointing: bool = True) -> dict:  # fmt: skip
     """`llamafactory-cli train` options for LoRA r=8 on q_proj,v_proj, everything not named at its defaults
-    (gradient checkpointing on, lora_dropout 0, HF's AdamW), loading the data `tokenize_once` saved. `kind`: text
-    (pretraining), chat (SFT) or pairs (DPO, `beta`, the sigmoid loss, the reference = the adapter disabled, its
-    pairs in the order written: `block` is then each side's cutoff)."""
+    (lora_dropout 0, HF's AdamW; gradient checkpointing on unless `checkpointing` is false), loading the data
+    `tokenize_once` saved. `kind`: text (pretraining), chat (SFT, the rows in the order written) or pairs (DPO,
+    `beta`, the sigmoid loss, the reference = the adapter disabled, its pairs in the order written: `block` is then
+    each side's cutoff)."""
     (work / "ds_z2.json").write_text(json.dumps(ZERO2))
     stage, dataset = STAGES[kind]
     options = {
@@ -122,9 +140,12 @@ def config(*, base: Path, data: Path, kind: str, precision: str, steps: int, mic
     }  # fmt: skip
     if kind in ("chat", "pairs"):
         options["template"] = "smollm2"  # ChatML with SmolLM2's default system turn, as its chat template
+        # disable_shuffling: it takes the rows in the file's order (the sampler only; its speed is unchanged)
+        options["disable_shuffling"] = True
     if kind == "pairs":
-        # disable_shuffling: it takes the pairs in the file's order (the sampler only; its speed is unchanged)
-        options.update(pref_beta=beta, pref_loss="sigmoid", disable_shuffling=True)
+        options.update(pref_beta=beta, pref_loss="sigmoid")
+    if not checkpointing:
+        options["disable_gradient_checkpointing"] = True
     if precision == "bf16":
         options["bf16"] = True
     return options
@@ -158,6 +179,16 @@ def environment(ranks: int) -> dict[str, str]:
     return env
 
 
+CHECKPOINTING_ON = "Gradient checkpointing enabled."  # what it logs where it recomputes activations
+
+
+def check_checkpointing(output: str, *, expected: bool, run: Path) -> None:
+    """Refuse a run whose activation checkpointing is not what the comparison says (from its log)."""
+    if (CHECKPOINTING_ON in output) != expected:
+        state = "on" if CHECKPOINTING_ON in output else "off"
+        raise SystemExit(f"{run}: LLaMA-Factory ran with gradient checkpointing {state}; expected the other")
+
+
 def loop_figures(work: Path) -> tuple[float, int]:
     """(the training loop's seconds, the non-padding input tokens it trained on, all ranks): `train_runtime` and
     `num_input_tokens_seen` (HF Trainer's count) of its train_results.json."""
@@ -182,43 +213,56 @@ def tokenized_rows(tokenized: Path) -> dict[str, list]:
     return table.to_pydict()
 
 
+# The sides every comparison runs: ours at its defaults (no activation checkpointing on a CPU: checked), LLaMA-Factory
+# with checkpointing off (the same work as ours), and LLaMA-Factory at its defaults (checkpointing on).
+SIDES = {"ours": None, "llamafactory_no_checkpointing": False, "llamafactory": True}
+COMPARISONS = {"equal_work": "llamafactory_no_checkpointing", "defaults": "llamafactory"}  # ours over which side
+
+
+def alternate(runs: int, sides: dict[str, Callable[[], dict]], *, label: str) -> dict[str, list[dict]]:
+    """Every side `runs` times, in turn (the order reversed on odd rounds), each run's figures printed; the runs of
+    each side."""
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    order = list(sides)
+    for i in range(runs):
+        for name in order if i % 2 == 0 else order[::-1]:
+            results[name].append(sides[name]())
+            print(f"{label} {name} run {i + 1}: {json.dumps(results[name][-1])}", flush=True)
+    return results
+
+
+def medians(runs: dict[str, list[dict]]) -> dict:
+    """Each side's median tokens/s, wall seconds and peak MB per rank, and ours over LLaMA-Factory's in each
+    comparison (equal work, defaults)."""
+    figures: dict = {}
+    for side, done in runs.items():
+        figures[f"{side}_tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in done), 1)
+        figures[f"{side}_wall_s"] = round(statistics.median(r["wall_s"] for r in done), 1)
+        figures[f"{side}_peak_mb_per_rank"] = round(statistics.median(r["peak_mb_per_rank"] for r in done))
+    for comparison, theirs in COMPARISONS.items():
+        figures[comparison] = {
+            "against": theirs,
+            "speedup": round(figures["ours_tokens_per_s"] / figures[f"{theirs}_tokens_per_s"], 3),
+            "wall_ratio": round(figures["ours_wall_s"] / figures[f"{theirs}_wall_s"], 3),
+            "memory_ratio": round(figures["ours_peak_mb_per_rank"] / figures[f"{theirs}_peak_mb_per_rank"], 3),
+        }
+    return figures
+
+
+def same_count(what: str, ours: int, theirs: int) -> int:
+    """`ours`, where both sides counted the same; else the benchmark stops: its ratios would compare other work."""
+    if ours != theirs:
+        raise SystemExit(f"bench: the two sides trained other {what}: ours {ours}, LLaMA-Factory's {theirs}")
+    return ours
+
+
+def paired(what: str, ours: list[float], theirs: list[float]) -> list[tuple[float, float]]:
+    """The two sides' values step by step; the benchmark stops where one logged other steps than the other."""
+    if len(ours) != len(theirs) or not ours:
+        raise SystemExit(f"bench: {what}: ours logged {len(ours)} step(s), LLaMA-Factory {len(theirs)}")
+    return list(zip(ours, theirs, strict=True))
+
+
 if __name__ == "__main__":
     print(ensure_venv())
     sys.exit(0)
-
-
-def built(bench: str) -> bool:
-    """Whether the venv is there (ensure_venv built it; a smoke run never builds it), saying so where it is not."""
-    there = (VENV / ".complete").exists()
-    if not there:
-        print(f"{bench}: skipping LLaMA-Factory: {VENV} is not built (python -m bench.llamafactory)")
-    return there
-
-
-def alternate(runs: int, *, ours: Callable[[], dict], theirs: Callable[[], dict] | None, label: str):
-    """Both sides `runs` times, alternating (theirs first on odd rounds), each run's figures printed; without
-    `theirs`, ours alone. The two lists of runs."""
-    our, their = [], []
-    sides = [("ours", our, ours)] + ([("theirs", their, theirs)] if theirs is not None else [])
-    for i in range(runs):
-        for name, results, side in sides if i % 2 == 0 else sides[::-1]:
-            results.append(side())
-            print(f"{label} {name} run {i + 1}: {json.dumps(results[-1])}", flush=True)
-    return our, their
-
-
-def medians(our: list[dict], their: list[dict]) -> dict:
-    """Each side's median tokens/s, wall seconds and peak MB per rank, and (with their runs) ours over theirs."""
-    figures = {}
-    for side, runs in (("ours", our), ("llamafactory", their)):
-        if runs:
-            figures[f"{side}_tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in runs), 1)
-            figures[f"{side}_wall_s"] = round(statistics.median(r["wall_s"] for r in runs), 1)
-            figures[f"{side}_peak_mb_per_rank"] = round(statistics.median(r["peak_mb_per_rank"] for r in runs))
-    if their:
-        figures.update(
-            speedup=round(figures["ours_tokens_per_s"] / figures["llamafactory_tokens_per_s"], 3),
-            wall_ratio=round(figures["ours_wall_s"] / figures["llamafactory_wall_s"], 3),
-            memory_ratio=round(figures["ours_peak_mb_per_rank"] / figures["llamafactory_peak_mb_per_rank"], 3),
-        )
-    return figures

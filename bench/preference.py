@@ -3,18 +3,19 @@ side in one run: the same base (artifacts/base), the same review pairs (data/cor
 same tokens (both rendered with SmolLM2's chat template, checked token by token), the same pairs in each step (it
 reads them in the order our loop draws them), LoRA r=8 on q_proj,v_proj, beta 0.1 (the sigmoid loss; the reference =
 the base with the adapter disabled, in every step), 2 CPU ranks x 2 pairs, ZeRO-2, 8 steps, lr 2e-4 cosine without
-warmup, in bf16 (where the CPU computes it) and fp32; everything else at each tool's defaults. The two sides
-alternate; each figure is the median of --runs runs. Tokens are those of the chosen and rejected sequences (prompt
-included, padding not), over each side's whole training loop. The losses of the first steps are the proof that both
-compute the same objective: step 1 is log 2 on both (the adapter's B is zero) and in fp32 the steps after it agree
-within LOSS_TOLERANCE; in bf16 they part by each tool's rounding. Needs `make run` first (artifacts/base and
-artifacts/tokenizer).
+warmup, in bf16 (where the CPU computes it) and fp32; everything else at each tool's defaults, except that
+LLaMA-Factory runs twice: with activation checkpointing off (equal work: ours does not recompute on a CPU) and at its
+default (on). The sides alternate; each figure is the median of --runs runs. Tokens are those of the chosen and
+rejected sequences (prompt included, padding not), over each side's whole training loop: every run of every side must
+count the same, or the benchmark stops. The losses of the first steps are the proof that both compute the same
+objective: step 1 is log 2 on both (the adapter's B is zero) and in fp32 the steps after it agree within
+LOSS_TOLERANCE (else the benchmark stops); in bf16 they part by each tool's rounding. Needs `make run` first
+(artifacts/base and artifacts/tokenizer).
 
     python -m bench.preference [--runs 3] [--precisions bf16 fp32] [--steps 8]
     python -m bench.preference --smoke [--results DIR]   # the tiny pipeline's model, 3 steps, 1 pair a rank (make test)
 
-The smoke run trains LLaMA-Factory too where its environment is built (`python -m bench.llamafactory`, from the
-package registry); elsewhere it runs ours alone and says that it skipped LLaMA-Factory."""
+The smoke run builds LLaMA-Factory's environment where it is not built yet (a few minutes, once per machine)."""
 
 from __future__ import annotations
 
@@ -156,11 +157,12 @@ def same_tokens(work: Path, order: list[int], tokenized: Path) -> dict:
     tokens (chosen + rejected) each side's data holds."""
     ours, theirs = cached_rows(work / "dataset"), llamafactory.tokenized_rows(tokenized)
     ours = {name: [column[i] for i in order] for name, column in ours.items()}
-    equal = len(theirs["chosen_input_ids"]) == len(order) and all(
-        ours[name] == theirs[other] for name, other in COLUMNS.items()
-    )
+    llamafactory.same_count("pairs", len(order), len(theirs["chosen_input_ids"]))
+    for name, other in COLUMNS.items():
+        if ours[name] != theirs[other]:
+            raise SystemExit(f"bench.preference: our {name} and LLaMA-Factory's {other} differ for the same pairs")
     return {
-        "equal": equal,
+        "equal": True,
         "ours_tokens": sum(map(len, ours["input_ids"] + ours["rejected_input_ids"])),
         "llamafactory_tokens": sum(map(len, theirs["chosen_input_ids"] + theirs["rejected_input_ids"])),
         "pairs": len(order),
@@ -186,72 +188,71 @@ def ours(setup: Setup, work: Path, precision: str) -> dict:
         "--run-id-file", str(run / "run.json"),
     ], env=with_venv_path())  # fmt: skip
     metrics = read_json(run / "metrics.json")
+    if metrics["checkpointed_layers"]:
+        raise SystemExit(f"{run}: our train stage recomputed activations on a CPU; expected its default, off")
     tokens = metrics["tokens_per_s"] * metrics["train_seconds"]
     return {"tokens_per_s": metrics["tokens_per_s"], "tokens": round(tokens), "wall_s": wall,
             "peak_mb_per_rank": peak, "losses": curve_losses(run / "curve.csv")[:FIRST]}  # fmt: skip
 
 
-def theirs(setup: Setup, work: Path, data: Path, precision: str) -> dict:
-    run = work / f"llamafactory_{precision}"
+def theirs(setup: Setup, work: Path, data: Path, precision: str, checkpointing: bool) -> dict:
+    run = work / f"llamafactory_{precision}_{'checkpointing' if checkpointing else 'no_checkpointing'}"
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir()
     options = llamafactory.config(
         base=setup.base, data=data, kind="pairs", precision=precision, steps=setup.steps, micro=setup.micro,
         block=setup.max_len, lr=LR, work=run, tokenized=work / "llamafactory_tokenized", warmup_steps=0, beta=BETA,
+        checkpointing=checkpointing,
     )  # fmt: skip
     (run / "cfg.yaml").write_text(yaml.safe_dump(options))
     before_launch()
-    wall, peak, _ = run_measured(llamafactory.command(run / "cfg.yaml"), env=llamafactory.environment(setup.ranks))
+    wall, peak, output = run_measured(llamafactory.command(run / "cfg.yaml"), env=llamafactory.environment(setup.ranks))
+    llamafactory.check_checkpointing(output, expected=checkpointing, run=run)
     loop_seconds, tokens = llamafactory.loop_figures(run)
     return {"tokens_per_s": tokens / loop_seconds, "tokens": tokens, "wall_s": wall, "peak_mb_per_rank": peak,
             "losses": llamafactory.step_losses(run)[:FIRST]}  # fmt: skip
 
 
-def compare(setup: Setup, work: Path, data: Path, *, precision: str, runs: int, peer: bool) -> dict:
-    """Both sides `runs` times, alternating; medians, ratios and the first losses (the first run's: a run repeats
-    them). Without `peer`, ours alone."""
-    our, their = llamafactory.alternate(
-        runs, ours=lambda: ours(setup, work, precision),
-        theirs=(lambda: theirs(setup, work, data, precision)) if peer else None,
-        label=f"bench.preference: {precision}",
-    )  # fmt: skip
-    figures = llamafactory.medians(our, their)
-    figures.update(
-        ours_tokens=our[0]["tokens"], ours_first_losses=[round(x, 8) for x in our[0]["losses"]], runs={"ours": our}
-    )
-    if not peer:
-        return figures
-    pairs = list(zip(our[0]["losses"], their[0]["losses"], strict=False))
-    figures.update(
-        llamafactory_tokens=their[0]["tokens"],
-        llamafactory_first_losses=[round(x, 8) for x in their[0]["losses"]],
-        first_losses_max_diff=round(max(abs(a - b) for a, b in pairs), 8),
-        first_losses_equal=all(abs(a - b) <= LOSS_TOLERANCE for a, b in pairs),
-        step1_log2=all(abs(x - math.log(2)) <= LOSS_TOLERANCE for x in pairs[0]),
-        runs={"ours": our, "llamafactory": their},
-    )
+def compare(setup: Setup, work: Path, data: Path, *, precision: str, runs: int) -> dict:
+    """Every side `runs` times, in turn; medians, ratios and the first losses (the first run's: a run repeats them).
+    The benchmark stops where a run trained other tokens than ours, logged other steps, or (fp32) other losses."""
+    sides = {"ours": lambda: ours(setup, work, precision)}
+    for side, checkpointing in llamafactory.SIDES.items():
+        if checkpointing is not None:
+            sides[side] = lambda c=checkpointing: theirs(setup, work, data, precision, c)
+    done = llamafactory.alternate(runs, sides, label=f"bench.preference: {precision}")
+    tokens = done["ours"][0]["tokens"]
+    for side, results in done.items():
+        for result in results:
+            llamafactory.same_count(f"tokens ({side}, {precision})", tokens, result["tokens"])
+    figures = llamafactory.medians(done)
+    figures.update(tokens=tokens, ours_first_losses=[round(x, 8) for x in done["ours"][0]["losses"]], runs=done)
+    for side in done.keys() - {"ours"}:
+        pairs = llamafactory.paired(f"{side}'s first losses", done["ours"][0]["losses"], done[side][0]["losses"])
+        figures[f"{side}_first_losses"] = [round(b, 8) for _, b in pairs]
+        figures[f"{side}_first_losses_max_diff"] = round(max(abs(a - b) for a, b in pairs), 8)
+        if not all(abs(x - math.log(2)) <= LOSS_TOLERANCE for x in pairs[0]):
+            raise SystemExit(f"bench.preference: step 1's losses {pairs[0]} ({side}); expected log 2 on both sides")
+        if precision == "fp32" and figures[f"{side}_first_losses_max_diff"] > LOSS_TOLERANCE:
+            raise SystemExit(f"bench.preference: fp32 losses of ours and {side} part: {pairs}")
     return figures
 
 
-def measure(setup: Setup, *, precisions: list[str], runs: int, peer: bool) -> dict:
-    """Every precision of `setup`, in a temporary folder; without `peer`, LLaMA-Factory is skipped."""
+def measure(setup: Setup, *, precisions: list[str], runs: int) -> dict:
+    """Every precision of `setup`, in a temporary folder."""
     figures = {"steps": setup.steps, "ranks": setup.ranks, "micro_pairs": setup.micro, "max_len": setup.max_len}
-    figures |= {"beta": BETA, "lr": LR}
-    figures["llamafactory"] = llamafactory.VERSION if peer else f"skipped: {llamafactory.VENV} is not built"
+    figures |= {"beta": BETA, "lr": LR, "llamafactory": llamafactory.VERSION}
     with tempfile.TemporaryDirectory(prefix="bench-preference-") as tmp:
         work = Path(tmp)
         data, order = prepare(setup, work)
-        if peer:
-            tokenized = work / "llamafactory_tokenized"
-            llamafactory.tokenize_once(
-                work / "llamafactory_tokenize", base=setup.base, data=data, kind="pairs", block=setup.max_len,
-                tokenized=tokenized, ranks=setup.ranks,
-            )  # fmt: skip
-            figures["same_tokens"] = same_tokens(work, order, tokenized)
-            if not figures["same_tokens"]["equal"]:
-                print(f"bench.preference: the two sides' tokens differ: {figures['same_tokens']}", flush=True)
+        tokenized = work / "llamafactory_tokenized"
+        llamafactory.tokenize_once(
+            work / "llamafactory_tokenize", base=setup.base, data=data, kind="pairs", block=setup.max_len,
+            tokenized=tokenized, ranks=setup.ranks,
+        )  # fmt: skip
+        figures["same_tokens"] = same_tokens(work, order, tokenized)
         for precision in precisions:
-            figures[precision] = compare(setup, work, data, precision=precision, runs=runs, peer=peer)
+            figures[precision] = compare(setup, work, data, precision=precision, runs=runs)
     return figures
 
 
@@ -263,38 +264,41 @@ def main(argv: list[str] | None = None) -> None:
     smoke_arguments(parser)
     args = parser.parse_args(argv)
     results = results_folder(args)
-    if not args.smoke:
-        llamafactory.ensure_venv()
-        precisions = [p for p in args.precisions or ["bf16", "fp32"] if p != "bf16" or native_bf16("cpu")]
-        setup = replace(FULL, steps=args.steps or FULL.steps)
-        figures = measure(setup, precisions=precisions, runs=args.runs, peer=True)
+    llamafactory.ensure_venv()
+    default = ["fp32"] if args.smoke else ["bf16", "fp32"]
+    precisions = [p for p in args.precisions or default if p != "bf16" or native_bf16("cpu")]
+    if args.smoke:
+        with smoke_project(args.project) as project:
+            setup = replace(SMOKE, root=project, steps=args.steps or SMOKE.steps)
+            figures = measure(setup, precisions=precisions, runs=1)
+        report("preference", {**figures, "smoke": True}, results)
+    else:
+        figures = measure(replace(FULL, steps=args.steps or FULL.steps), precisions=precisions, runs=args.runs)
         report("preference", figures, results)
-        print(table(figures))
-        return
-    peer = llamafactory.built("bench.preference")
-    precisions = [p for p in args.precisions or ["fp32"] if p != "bf16" or native_bf16("cpu")]
-    with smoke_project(args.project) as project:
-        setup = replace(SMOKE, root=project, steps=args.steps or SMOKE.steps)
-        figures = measure(setup, precisions=precisions, runs=1, peer=peer)
-    report("preference", {**figures, "smoke": True}, results)
-    if peer:
-        print(table(figures))
+    print(table(figures))
+
+
+COMPARED = {"equal_work": "off on both (equal work)", "defaults": "each side's defaults (theirs on)"}
 
 
 def table(figures: dict) -> str:
-    """The README's table."""
+    """docs/preference.md's table: per precision, ours against LLaMA-Factory at equal work (activation checkpointing
+    off on both), then at each side's defaults (LLaMA-Factory recomputes activations)."""
     lines = [
-        "| precision | tokens/s: ours / LLaMA-Factory | ours/theirs | wall s: ours / theirs | peak MB per rank: ours / "
-        "theirs | loss of steps 1-3: ours (theirs: max abs difference) |",
-        "|---|---|---|---|---|---|",
+        "| precision | activation checkpointing | tokens/s: ours / LLaMA-Factory | ours / theirs | wall s: ours / "
+        "theirs | peak MB per rank: ours / theirs | loss of steps 1-3: ours (theirs: max abs difference) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key, f in figures.items():
-        if isinstance(f, dict) and "speedup" in f:
+        if not (isinstance(f, dict) and "equal_work" in f):
+            continue
+        for comparison, label in COMPARED.items():
+            c, side = f[comparison], f[comparison]["against"]
             lines.append(
-                f"| {key} | {f['ours_tokens_per_s']} / {f['llamafactory_tokens_per_s']} | {f['speedup']}x | "
-                f"{f['ours_wall_s']} / {f['llamafactory_wall_s']} ({f['wall_ratio']}x) | "
-                f"{f['ours_peak_mb_per_rank']} / {f['llamafactory_peak_mb_per_rank']} ({f['memory_ratio']}x) | "
-                f"{_losses(f['ours_first_losses'])} ({f['first_losses_max_diff']:.1e}) |"
+                f"| {key} | {label} | {f['ours_tokens_per_s']} / {f[f'{side}_tokens_per_s']} | {c['speedup']}x | "
+                f"{f['ours_wall_s']} / {f[f'{side}_wall_s']} ({c['wall_ratio']}x) | {f['ours_peak_mb_per_rank']} / "
+                f"{f[f'{side}_peak_mb_per_rank']} ({c['memory_ratio']}x) | {_losses(f['ours_first_losses'])} "
+                f"({f[f'{side}_first_losses_max_diff']:.1e}) |"
             )
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from pipeline.checkpoints.adapter import variant_tags
 from pipeline.core import config
 from pipeline.core.log import logger
 from pipeline.evaluation.report import run_description
-from pipeline.tracking import completion
+from pipeline.tracking import completion, runs_view
 from stages._common import announce, pipeline_run, run, stage_name
 
 
@@ -41,6 +41,10 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
             metrics=dict(args.metrics),
         )
         tracker.describe(description)
+        headline = runs_view.view_tag(
+            metrics=runs_view.headline_metrics(cfg.eval.sets), params=[*runs_view.PARAMS, *runs_view.swept_keys()]
+        )
+        tracker.tag_experiment({runs_view.VIEW_TAG: headline})
         tracker.log_datasets(completion.datasets(lock, train_file=cfg.data.train_file, eval_sets=cfg.eval.sets))
         files = completion.PipelineFiles(
             params=Path(args.params),

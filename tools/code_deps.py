@@ -21,6 +21,7 @@ NOT_DEPENDENCIES = {
     "stages/_common.py": "the stages' harness: argument parsing, the MLflow run, turning bad input into an exit",
     "pipeline/tracking/mlflow_run.py": "logging to MLflow",
     "pipeline/tracking/execution.py": "which MLflow run a process logs to",
+    "pipeline/tracking/runs_view.py": "how the MLflow UI names and shows the runs",
     "pipeline/tracking/tensorboard.py": "logging the training curve for TensorBoard",
     "pipeline/core/errors.py": "printing bad input as one line and exiting",
     "pipeline/core/log.py": "printing progress lines (rank 0)",

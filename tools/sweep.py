@@ -27,6 +27,7 @@ from pipeline.core.config import validate
 from pipeline.core.environment import with_venv_path
 from pipeline.tracking.execution import EXECUTION_ENV, PARENT_RUN_ENV
 from pipeline.tracking.mlflow_run import Tracker, open_run
+from pipeline.tracking.runs_view import RUN_NAME_ENV, SWEPT_KEYS_ENV, swept_keys
 from tools.paths import dvc_paths
 
 PATHS = dvc_paths()
@@ -74,6 +75,19 @@ def combinations(overrides: list[str]) -> list[list[str]]:
     return checks
 
 
+def swept(overrides: list[str]) -> list[str]:
+    """The keys a sweep varies: those given several values, a choice or an interval."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [o.key_or_group for o in parsed if o.is_sweep_override() or o.is_interval_sweep()]
+
+
+def point(overrides: list[str], keys: list[str]) -> str:
+    """A job's values of the swept keys (`lora.r=8 train.lr=0.0003`): its place in the sweep."""
+    return " ".join(o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys)
+
+
 def summary(rows: list[dict], objective: str) -> str:
     """A Markdown table: one row per job, best objective first."""
     ordered = sorted(rows, key=lambda r: (r["objective"] is None, r["objective"] or 0.0))
@@ -114,6 +128,7 @@ class SweepCallback(Callback):
             sys.exit(2)
         self.objective = config.sweep.objective
         self.folder = Path(config.hydra.sweep.dir)
+        os.environ[SWEPT_KEYS_ENV] = ",".join(swept(overrides))  # the jobs run in this process
         tracking = config.tracking
         self.parent = open_run(
             tracking.uri,
@@ -175,7 +190,7 @@ def main(cfg: DictConfig) -> float:
     name = f"sweep-{job}-{HydraConfig.get().job.num}"  # the DVC experiment, also when only track is forced
     command = ["dvc", "exp", "run", "-n", name, *itertools.chain.from_iterable(("-S", o) for o in overrides)]
     print(f"sweep: job {HydraConfig.get().job.num}: {' '.join(command)}", flush=True)
-    env = {**with_venv_path(), EXECUTION_ENV: f"sweep-job-{job}"}
+    env = {**with_venv_path(), EXECUTION_ENV: f"sweep-job-{job}", RUN_NAME_ENV: point(overrides, swept_keys()) or name}
     forced = ["dvc", "repro", "--force", "--single-item", "track"]
     for step, extra in ((command, {}), (forced, {"DVC_EXP_NAME": name})):
         done = subprocess.run(step, env={**env, **extra})

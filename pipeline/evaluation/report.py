@@ -61,8 +61,9 @@ def merge_proof(merge: dict) -> list[str]:
     if "max_abs_logit_diff" not in merge:
         return ["merge: not verified (merge.verify=false)"]
     return [
-        f"merge proof: max |logit diff| {merge['max_abs_logit_diff']:.2e} (limit {merge['limit_abs']:g}), "
-        f"mean KL {merge['mean_kl']:.1e} (limit {merge['limit_kl']:g}) on {merge['tokens']} tokens"
+        f"merge proof: max |logit diff| {merge['max_abs_logit_diff']:.2e} (limit {merge['limit_abs']:.1e}), "
+        f"mean KL {merge['mean_kl']:.1e} (limit {merge['limit_kl']:.1e})",
+        f"  on {merge['tokens']} tokens",
     ]
 
 

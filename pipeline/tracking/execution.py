@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from pipeline.tracking.mlflow_run import Tracker, open_run
+from pipeline.tracking.runs_view import run_name
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
 PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipelines' runs become child runs
@@ -37,15 +38,15 @@ def workspace() -> Path:
 
 
 def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
-    """Open (or join) the MLflow run of this pipeline execution; child processes started afterwards join it too.
-    A relative SQLite store lives in the main workspace."""
+    """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
+    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace."""
     os.environ[EXECUTION_ENV] = execution = execution_id()
     return open_run(
         uri,
         experiment,
         run_id_file,
         execution=execution,
-        run_name=os.environ.get("DVC_EXP_NAME"),
+        run_name=run_name(),
         parent_run_id=os.environ.get(PARENT_RUN_ENV),
         root=workspace(),
     )

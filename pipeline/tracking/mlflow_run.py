@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.log import logger
+from pipeline.tracking.runs_view import EXPERIMENT_TAGS
 
 log = logger("tracking")
 
@@ -34,8 +35,6 @@ HTTP_DEFAULTS = {
 LOCK_PATIENCE_S = 10.0
 _BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")
 SQLITE = "sqlite:///"
-# MLflow 3's UI files an experiment by its kind: model fine-tuning, not GenAI "evaluation runs".
-EXPERIMENT_TAGS = {"mlflow.experimentKind": "finetuning"}
 
 
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -175,6 +174,16 @@ class Tracker:
         found: list = []
         self._call("get_metric_history", lambda: found.extend(self.client.get_metric_history(self.run_id, key)))
         return {m.step for m in found}
+
+    def tag_experiment(self, tags: Mapping[str, str]) -> None:
+        """Set tags of the run's experiment (overwriting earlier values)."""
+
+        def log() -> None:
+            experiment_id = self.client.get_run(self.run_id).info.experiment_id
+            for key, value in tags.items():
+                self.client.set_experiment_tag(experiment_id, key, value)
+
+        self._call("set_experiment_tag", log)
 
     def describe(self, markdown: str) -> None:
         """The run's description, shown at the top of its page in the MLflow UI."""

@@ -1,6 +1,7 @@
-"""The benchmarks cannot rot: each one's --smoke mode runs its full code path (ours and the peer's side by side, where
-the peer is installed) at a tiny size, on the project the session's tiny pipeline left (tiny_pipeline, shared with
-the repro check), and writes its figures where --results says, never into bench/results."""
+"""The benchmarks cannot rot: each one's --smoke mode runs its full code path (ours and the peer's side by side: the
+LLaMA-Factory benchmarks build its environment where it is not built yet, once per machine) at a tiny size, on the
+project the session's tiny pipeline left (tiny_pipeline, shared with the repro check), and writes its figures where
+--results says, never into bench/results."""
 
 from __future__ import annotations
 
@@ -19,17 +20,16 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
 
+PEER = [  # ours and LLaMA-Factory's (with and without activation checkpointing), and both comparisons
+    "tokens", *(f"{side}_{key}" for side in ("ours", "llamafactory", "llamafactory_no_checkpointing")
+                for key in ("tokens_per_s", "wall_s", "peak_mb_per_rank")),
+    *(f"{comparison}.{key}" for comparison in ("equal_work", "defaults") for key in ("speedup", "memory_ratio")),
+]  # fmt: skip
 SIDES = ("reference_seconds", "ours_seconds", "reference_peak_memory_mb", "ours_peak_memory_mb")
 POSITIVE = {  # bench: {results file: the figures that must be positive}
     "noop_repro": {"noop_repro": ["median_seconds"]},
-    "train": {
-        "train": [
-            f"{kind}_fp32.{key}"
-            for kind in ("text", "chat")
-            for key in ("ours_tokens_per_s", "eager_tokens_per_s", "ours_peak_mb_per_rank")
-        ]
-    },
-    "preference": {"preference": ["fp32.ours_tokens_per_s", "fp32.ours_peak_mb_per_rank", "fp32.ours_tokens"]},
+    "train": {"train": [f"{kind}_fp32.{key}" for kind in ("text", "chat") for key in ("eager_tokens_per_s", *PEER)]},
+    "preference": {"preference": [f"fp32.{key}" for key in PEER]},
     "consolidate": {"consolidate": list(SIDES)},
     "merge": {"merge": [*SIDES, "ours_verified_seconds"]},
     "evaluate": {"evaluate": [*SIDES, "reference_bits_per_byte", "ours_bits_per_byte", "tokens"]},
@@ -42,10 +42,6 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
         "variants_merge_gap": ["nf4.against_quantized_base.max_abs_logit_diff", "int8.against_quantized_base.mean_kl"],
     },
     "gpu_train": {"gpu_train": ["tokens_per_s_per_gpu", "peak_gpu_memory_mb"]},
-}
-PEER = {  # where LLaMA-Factory's venv is built (python -m bench.llamafactory): its side's figures too
-    "train": ["text_fp32.llamafactory_tokens_per_s", "chat_fp32.llamafactory_tokens_per_s", "text_fp32.speedup"],
-    "preference": ["fp32.llamafactory_tokens_per_s", "fp32.llamafactory_peak_mb_per_rank", "fp32.speedup"],
 }
 
 
@@ -72,20 +68,25 @@ def test_smoke_runs_both_sides(bench, project, tmp_path):
     for name, keys in POSITIVE[bench].items():
         figures = json.loads((tmp_path / f"{name}.json").read_text())
         assert figures["smoke"] is True
-        peer = name in PEER and not figures["llamafactory"].startswith("skipped")
-        if peer:
-            keys = [*keys, *PEER[name]]
         for key in keys:
             assert figure(figures, key) > 0, f"{name}.json: {key} = {figure(figures, key)}"
         recorded = REPO / RESULTS / f"{name}.json"
         assert not recorded.exists() or recorded.stat().st_mtime < started, f"the smoke run wrote {recorded}"
     if bench == "evaluate":  # the same definitions on both sides: the same figure
         assert figures["ours_bits_per_byte"] == pytest.approx(figures["reference_bits_per_byte"], abs=1e-3)
+    if bench in ("train", "preference"):  # every run of every side trained the same tokens (the bench stops if not)
+        for compared in (figures[k] for k in ("text_fp32", "chat_fp32", "fp32") if k in figures):
+            runs = [run for side in compared["runs"].values() for run in side]
+            assert len(runs) == 3 and {run["tokens"] for run in runs} == {compared["tokens"]}, compared["runs"]
+    if bench == "train":  # the same dialogues, token for token, in the same order
+        assert figures["same_chat_tokens"]["rows"] == 3 * 2 and figures["same_chat_tokens"]["tokens"] > 0
     if bench == "preference":  # DPO starts at log 2 (B = 0); against LLaMA-Factory: the same tokens and losses
-        assert figures["fp32"]["ours_first_losses"][0] == pytest.approx(math.log(2), abs=1e-4)
-        if peer:
-            assert figures["same_tokens"]["equal"], figures["same_tokens"]
-            assert figures["fp32"]["first_losses_equal"], figures["fp32"]
+        fp32 = figures["fp32"]
+        assert figures["same_tokens"]["equal"] and figures["same_tokens"]["pairs"] == 3 * 2, figures["same_tokens"]
+        assert fp32["ours_first_losses"][0] == pytest.approx(math.log(2), abs=1e-4)
+        for side in ("llamafactory", "llamafactory_no_checkpointing"):
+            assert len(fp32[f"{side}_first_losses"]) == len(fp32["ours_first_losses"]) == 3
+            assert fp32[f"{side}_first_losses"] == pytest.approx(fp32["ours_first_losses"], abs=1e-3)
 
 
 def test_a_smoke_run_never_overwrites_the_recorded_figures():

@@ -22,7 +22,7 @@ from tests.helpers.training import TINY, assert_same_training, env, train_comman
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(cluster_nodes.missing() is not None, reason=str(cluster_nodes.missing())),
+    pytest.mark.needs(cluster_nodes.missing()),
 ]
 TWO_NODES = "localhost slots=1\n127.0.0.1 slots=1\n"
 # The tiny pipeline's 4 steps, then 2 more: a run of its own (its finished checkpoint would be reported, not retrained)
@@ -185,7 +185,7 @@ def test_one_dvc_exp_run_trains_across_the_nodes_and_runs_the_rest_once(tmp_path
     assert "up to date" in subprocess.run(["dvc", "status"], cwd=project, capture_output=True, text=True).stdout
 
 
-@pytest.mark.skipif(slurm.missing() is not None, reason=str(slurm.missing()))
+@pytest.mark.needs(slurm.missing())
 def test_the_sbatch_template_trains_across_two_slurm_nodes(tmp_path, tiny_pipeline):
     """tools/slurm_train.sbatch through a real Slurm of two nodes: the batch script runs the pipeline on the first
     node, the train stage one launcher per node through srun (world 2, one rank a node)."""

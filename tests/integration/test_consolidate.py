@@ -187,7 +187,7 @@ def test_cli_unknown_tag_exits_2_and_writes_nothing(checkpoints, tmp_path):
 
 
 def _variant_cases() -> list:
-    skip = pytest.mark.skipif(not BNB, reason=NO_BNB)
+    skip = pytest.mark.needs(None if BNB else NO_BNB)
     return [*VARIANTS, *(pytest.param(config, marks=skip) for config in QLORA)]
 
 

@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 
 from pipeline.core.atomic import read_json
 from pipeline.tracking.mlflow_run import flatten
+from pipeline.tracking.runs_view import TRAIN_FIGURES, VIEW_TAG
 from tools.repro_check import compare
 
 pytestmark = pytest.mark.integration
@@ -102,8 +103,18 @@ def test_the_run_reads_as_what_it_is(tiny_pipeline):
     root = tiny_pipeline.roots[0]
     client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
     experiment = client.get_experiment_by_name("llm-lora")
-    assert experiment.tags["mlflow.experimentKind"] == "finetuning"
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
     (run,) = client.search_runs([experiment.experiment_id])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    assert run.info.run_name == f"repro {commit.stdout.strip()}", "`dvc repro` names the run after its commit"
+    view = json.loads(json.loads(experiment.tags[VIEW_TAG])["state"])
+    assert view["selectedColumns"][:2] == ["metrics.`eval.in_domain.adapter.bits_per_byte`",
+                                           "metrics.`eval.in_domain.base.bits_per_byte`"]  # fmt: skip
+    assert (
+        {f"metrics.`{m}`" for m in TRAIN_FIGURES}
+        <= set(view["selectedColumns"])
+        <= {*(f"metrics.`{m}`" for m in run.data.metrics), *(f"params.`{p}`" for p in run.data.params)}
+    ), "every headline column is a figure the run has"
     note = run.data.tags["mlflow.note.content"]
     assert "bits/byte" in note and "in_domain" in note and "merge proof: max |logit diff|" in note
     assert "Reproduce: `git checkout" in note

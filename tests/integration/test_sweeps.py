@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -27,6 +28,8 @@ from tools.repro_check import sh
 pytestmark = pytest.mark.integration
 OBJECTIVE = "eval.in_domain.adapter.bits_per_byte"
 SCREENSHOT = REPO / "logs" / "ui" / "compare_runs.png"
+BROWSER = shutil.which("chromium"), shutil.which("chromedriver")
+NO_BROWSER = "chromium and chromedriver are not installed (`make browser` installs Debian's, as root)"
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +142,21 @@ def _get(url: str, body: dict | None = None) -> dict:
         return json.load(response)
 
 
+class UI(NamedTuple):
+    base: str  # the server's URL
+    runs: str  # the URL `make ui` prints first: the experiment's runs table in the headline view
+
+
 @pytest.fixture(scope="module")
-def ui(project) -> str:
-    """`make ui` on a free loopback port over the project copy's store; its base URL."""
+def ui(project, queued) -> UI:
+    """`make ui` on a free loopback port over the project copy's store (where the queued sweep logged its runs)."""
     port = free_port()
-    server = subprocess.Popen(
-        ["make", "-s", "-C", str(REPO), "ui", f"UI_PORT={port}", f"UI_STORE=sqlite:///{project / 'mlruns.db'}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    log = project / "ui_server.log"  # a file, not a pipe nobody reads: the server logs on and would block
+    with log.open("w") as output:
+        server = subprocess.Popen(
+            ["make", "-s", "-C", str(REPO), "ui", f"UI_PORT={port}", f"UI_STORE=sqlite:///{project / 'mlruns.db'}"],
+            stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -154,31 +164,51 @@ def ui(project) -> str:
                 urllib.request.urlopen(f"{base}/health", timeout=2)
                 break
             except OSError:
-                assert server.poll() is None, server.stdout.read().decode()
+                assert server.poll() is None, log.read_text()
                 time.sleep(0.5)
-        yield base
+        printed = log.read_text().splitlines()[0]
+        assert printed.startswith("ui: the runs of llm-lora: "), printed
+        yield UI(base, printed.split(": ", 2)[2])
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
 
 
 def test_ui_server_serves_runs_metrics_and_artifacts(ui, queued):
-    experiment = _get(f"{ui}/api/2.0/mlflow/experiments/get-by-name?experiment_name=llm-lora")["experiment"]
-    found = _get(f"{ui}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
+    experiment = _get(f"{ui.base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=llm-lora")["experiment"]
+    found = _get(f"{ui.base}/api/2.0/mlflow/runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
     by_id = {r["info"]["run_id"]: r for r in found}
     for run in queued:
         served = {m["key"]: m["value"] for m in by_id[run.info.run_id]["data"]["metrics"]}
         assert served[OBJECTIVE] == run.data.metrics[OBJECTIVE]
-        history = _get(f"{ui}/api/2.0/mlflow/metrics/get-history?run_id={run.info.run_id}&metric_key=loss")
+        history = _get(f"{ui.base}/api/2.0/mlflow/metrics/get-history?run_id={run.info.run_id}&metric_key=loss")
         assert [m["step"] for m in history["metrics"]] == [1, 2, 3, 4]
-        listed = _get(f"{ui}/api/2.0/mlflow/artifacts/list?run_id={run.info.run_id}&path=plots")
+        listed = _get(f"{ui.base}/api/2.0/mlflow/artifacts/list?run_id={run.info.run_id}&path=plots")
         assert {f["path"] for f in listed["files"]} == {"plots/eval_bits_per_byte.png", "plots/train_curve.png"}
 
 
-def test_compare_runs_view_in_a_real_browser(ui, queued):
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("chromium and chromedriver are not installed (`make browser` installs Debian's, as root)")
+def seen_text(browser, expected: set[str], timeout: float = 90) -> set[str]:
+    """The lines the page shows, scrolling every virtualised grid (its rows render when scrolled to), until all of
+    `expected` are there or `timeout` s have passed."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while not expected <= seen and time.monotonic() < deadline:
+        seen |= set(browser.find_element("tag name", "body").text.splitlines())
+        for grid in browser.find_elements("class name", "ReactVirtualized__Grid"):
+            for top in range(0, browser.execute_script("return arguments[0].scrollHeight", grid), 150):
+                browser.execute_script("arguments[0].scrollTop = arguments[1]", grid, top)
+                seen |= set(grid.text.splitlines())
+        time.sleep(0.5)
+    return seen
+
+
+@pytest.mark.needs(None if all(BROWSER) else NO_BROWSER)
+def test_the_ui_opens_on_both_runs_of_a_sweep_and_compares_them_in_a_real_browser(ui, queued):
+    """`make ui` over a two-point sweep's store (the DVC queue's train.lr=2e-3,3e-3): the URL it prints opens the
+    runs table (not MLflow 3's GenAI overview) in the headline view, both runs named after their DVC experiments,
+    the bits per byte and the swept key as columns; the compare view shows both runs, the swept key and the bits
+    per byte; the run page says what the run is."""
+    chromium, driver = BROWSER
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -187,28 +217,25 @@ def test_compare_runs_view_in_a_real_browser(ui, queued):
     options.binary_location = chromium
     for flag in (
         "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1600,1200",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=2400,1200",
     ):  # fmt: skip
         options.add_argument(flag)
-    ids = json.dumps([r.info.run_id for r in queued])
-    expected = {OBJECTIVE, "train.final_train_loss", "tokenizer.heldout_tokens_per_char_after", "loss"}
     names = {r.info.run_name for r in queued}
+    assert names == {r.data.tags["dvc.experiment"] for r in queued}, "runs named after their DVC experiments"
+    swept = "train.lr"
     browser = webdriver.Chrome(service=Service(driver), options=options)
     try:
-        browser.get(f"{ui}/#/compare-runs?runs={ids}&experiments={json.dumps([queued[0].info.experiment_id])}")
-        seen: set[str] = set()
-        deadline = time.monotonic() + 90
-        while not (expected | names) <= seen and time.monotonic() < deadline:  # the names' header may come later
-            seen |= set(browser.find_element("tag name", "body").text.splitlines())
-            for grid in browser.find_elements("class name", "ReactVirtualized__Grid"):  # rows render when scrolled
-                for top in range(0, browser.execute_script("return arguments[0].scrollHeight", grid), 150):
-                    browser.execute_script("arguments[0].scrollTop = arguments[1]", grid, top)
-                    seen |= set(grid.text.splitlines())
-            time.sleep(0.5)
+        browser.get(ui.runs)
+        table = seen_text(browser, names | {"Headline figures", "eval.in_domain.adapter.bits_per_byte", swept})
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(SCREENSHOT.with_name("runs_table.png")))
+        ids = json.dumps([r.info.run_id for r in queued])
+        browser.get(f"{ui.base}/#/compare-runs?runs={ids}&experiments={json.dumps([queued[0].info.experiment_id])}")
+        expected = {OBJECTIVE, "train.final_train_loss", "tokenizer.heldout_tokens_per_char_after", "loss", swept}
+        compared = seen_text(browser, expected | names)
         browser.save_screenshot(str(SCREENSHOT))
         run = queued[0]
-        browser.get(f"{ui}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
+        browser.get(f"{ui.base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}")
         page = ""
         deadline = time.monotonic() + 90
         while "LoRA fine-tuning" not in page and time.monotonic() < deadline:
@@ -217,8 +244,11 @@ def test_compare_runs_view_in_a_real_browser(ui, queued):
         browser.save_screenshot(str(SCREENSHOT.with_name("run_page.png")))
     finally:
         browser.quit()
-    assert expected <= seen, f"missing on the page: {expected - seen}"
-    assert names <= seen, "both runs are compared"
+    assert names <= table, f"both runs in the runs table: {names - table}"
+    assert {"Headline figures", swept} <= table, "the headline view, with the swept key"
+    assert any(line.startswith("eval.in_domain.adapter") for line in table), "the bits per byte as a column"
+    assert expected <= compared, f"missing in the compare view: {expected - compared}"
+    assert names <= compared, "both runs are compared"
     assert "LoRA fine-tuning" in page and "bits/byte" in page, "the run page says what the run is and how good"
 
 
@@ -248,9 +278,9 @@ def _same_combination(project: Path, tiny_pipeline) -> list[str]:
 
 def test_a_tracking_server_receives_the_run_and_registers_the_merged_model(project, tiny_pipeline, ui):
     overrides = _same_combination(project, tiny_pipeline)
-    server = ["-S", f"tracking.uri={ui}", "-S", "tracking.register_model=tiny-lora"]
+    server = ["-S", f"tracking.uri={ui.base}", "-S", "tracking.register_model=tiny-lora"]
     sh(["dvc", "exp", "run", *overrides, *server], project)
-    client = MlflowClient(ui)
+    client = MlflowClient(ui.base)
     run = client.get_run(read_json(project / "logs/mlflow_run.json")["run_id"])
     assert run.data.tags["stage.track"] == "ran" and OBJECTIVE in run.data.metrics
     (version,) = client.search_model_versions("name = 'tiny-lora'")

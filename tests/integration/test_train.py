@@ -7,8 +7,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,7 +123,7 @@ def test_sigkill_then_rerun_equals_uninterrupted(tmp_path, inputs, tiny_base_dir
         torch.testing.assert_close(resumed[name], expected[name], atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed here")
+@pytest.mark.needs(None if importlib.util.find_spec("bitsandbytes") else "bitsandbytes is missing (make setup)")
 def test_qlora_through_the_train_stage_consolidate_and_merge(tmp_path, inputs, tiny_base_dir):
     """The train stage on an nf4 base, 2 ranks under ZeRO-3 in bf16, DoRA with LoRA+ on all-linear; consolidated,
     merged into the unquantized base within the fp32 proof, and its gap to the nf4 base it trained on measured."""
@@ -164,18 +166,36 @@ def test_manual_nodes_join_node_0_s_launch(tmp_path, inputs, tiny_base_dir, refe
     assert_same_training(tmp_path, reference, atol=1e-5)
 
 
+JOIN_TIMEOUT_S = 5
+# The whole stage, from its start to its refusal: JOIN_TIMEOUT_S plus starting the stage and its ranks (imports, the
+# pre-flight: about 30 s on an idle 2-core machine), with room for a loaded one. A timeout not honoured (torch's own
+# 30 minutes, or ours multiplied) ends past it: the stage is then killed at the bound and the test fails.
+JOIN_WALL_BOUND_S = 150
+
+
 def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path, inputs, tiny_base_dir):
     """launcher=manual with node 1 never started: node 0's ranks give up after launcher.join_timeout_s, naming the
     node, instead of waiting for torch's 30 minutes."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     overrides = [*TINY, "launcher=manual", f"launcher.hostfile={hostfile}", f"launcher.master_port={free_port()}",
-                 "launcher.join_timeout_s=5", "train.gradient_accumulation_steps=2"]  # fmt: skip
-    done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
-    output = done.stdout + done.stderr
-    assert done.returncode != 0
+                 f"launcher.join_timeout_s={JOIN_TIMEOUT_S}", "train.gradient_accumulation_steps=2"]  # fmt: skip
+    stage = subprocess.Popen(
+        train_command(inputs, tiny_base_dir, tmp_path, overrides), cwd=REPO, env=env(), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    started = time.monotonic()
+    try:
+        output = stage.communicate(timeout=JOIN_WALL_BOUND_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(stage.pid, signal.SIGKILL)
+        output = stage.communicate()[0]
+        pytest.fail(f"still waiting for node 1 after {JOIN_WALL_BOUND_S} s: {output[-2000:]}")
+    elapsed = time.monotonic() - started
+    assert stage.returncode != 0
     assert "node 1 (127.0.0.1, rank 1) did not join the rendezvous at" in output and "within 5 s" in output, output
     assert "Traceback" not in output
+    assert JOIN_TIMEOUT_S <= elapsed < JOIN_WALL_BOUND_S, elapsed
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,17 @@
-"""The house stays navigable: stages/ is the DVC graph, each stage depends on exactly the code it runs, every module
-is named on its package's front page, and the configuration reference and the README's code map are the ones conf/
-and the front pages generate."""
+"""The house stays navigable: stages/ is the DVC graph, each stage depends on exactly the code it runs, dvc.lock
+records that code as it is, every module is named on its package's front page, and the configuration reference and
+the README's code map are the ones conf/ and the front pages generate."""
 
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import yaml
 
 from tests.conftest import REPO
-from tools import code_deps, code_map, config_reference
+from tools import code_deps, code_map, config_reference, lock_check
 
 
 def test_stage_files_are_the_dvc_stages():
@@ -84,3 +85,26 @@ def test_the_readme_code_map_is_generated_from_the_front_pages():
     assert readme.read_text(encoding="utf-8") == code_map.rewrite(readme), (
         "README.md's code map drifted: run `python -m tools.code_map`"
     )
+def test_dvc_lock_records_the_code_and_params_each_stage_runs_now():
+    """Pipeline code changed without the `make run` that records it leaves dvc.lock behind: a fresh `make run` would
+    retrain. (After a change to a stage's code this fails until `make run` is committed with it.)"""
+    assert lock_check.stale() == []
+
+
+def test_the_lock_check_sees_changed_code_and_params(tmp_path):
+    """A copy of the project's pipeline definition and code, where one train module and one train param changed."""
+    for name in ("dvc.yaml", "dvc.lock", "params.yaml", ".dvc/config", "requirements-assets.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes((REPO / name).read_bytes())
+    for folder in (*code_deps.PACKAGES, "tasks"):
+        shutil.copytree(REPO / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    before = set(lock_check.stale(tmp_path))
+    with (tmp_path / "pipeline/training/schedule.py").open("a") as f:
+        f.write("# changed\n")
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["train"]["lr"] *= 2
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    found = set(lock_check.stale(tmp_path)) - before
+    assert "train: pipeline/training/schedule.py differs from dvc.lock" in " ".join(sorted(found)), found
+    assert "train: params train modified" in found, found

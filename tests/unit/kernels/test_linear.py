@@ -12,7 +12,7 @@ import torch
 from pipeline.kernels import linear as cpu_linear
 from tests.helpers.lora_model import step, tiny_lora
 
-pytestmark = pytest.mark.skipif(cpu_linear._MATMUL is None, reason="this PyTorch has no oneDNN")
+pytestmark = pytest.mark.needs("this PyTorch has no oneDNN" if cpu_linear._MATMUL is None else None)
 UNIT = 2**-24  # fp32's unit roundoff
 
 

@@ -78,7 +78,7 @@ def test_missing_bitsandbytes_is_refused_by_key(monkeypatch):
         check_available("nf4", "cpu")
 
 
-@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+@pytest.mark.needs(None if BNB else "bitsandbytes is not installed here (make setup installs it)")
 def test_bitsandbytes_that_cannot_quantize_here_is_refused_by_key(monkeypatch):
     """As on a machine without a backend for it: bitsandbytes imports, its round trip raises."""
     import bitsandbytes.functional
@@ -94,7 +94,7 @@ def test_bitsandbytes_that_cannot_quantize_here_is_refused_by_key(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+@pytest.mark.needs(None if BNB else "bitsandbytes is not installed here (make setup installs it)")
 def test_the_gpu_probe_runs_apart_and_leaves_the_launching_process_clean():
     """On a GPU the train stage probes bitsandbytes in a child process (here on the CPU, the same path): its answer
     and its refusals come back, and the stage process imports nothing of it (nor starts CUDA)."""
@@ -113,7 +113,7 @@ def test_the_gpu_probe_runs_apart_and_leaves_the_launching_process_clean():
     )
 
 
-@pytest.mark.skipif(not BNB, reason="bitsandbytes is not installed here (make setup installs it)")
+@pytest.mark.needs(None if BNB else "bitsandbytes is not installed here (make setup installs it)")
 @pytest.mark.parametrize(("kind", "dtype"), [("nf4", torch.float32), ("nf4", torch.bfloat16), ("int8", torch.float32)])
 def test_quantized_base_computes_with_the_round_trip_the_merge_measures(tiny_base_dir, kind, dtype):
     """The weights the loaded 4-bit/8-bit base computes with, after an eval forward (bitsandbytes' CPU repacking
