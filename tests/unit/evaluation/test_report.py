@@ -3,7 +3,7 @@ limits and figures of any merge, a reused checkpoint (pipeline/evaluation/report
 
 from __future__ import annotations
 
-from pipeline.core.config import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
+from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 from pipeline.evaluation.report import evaluation_table, merge_proof, training_summary
 
 WIDTH = 100
