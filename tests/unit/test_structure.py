@@ -85,6 +85,8 @@ def test_the_readme_code_map_is_generated_from_the_front_pages():
     assert readme.read_text(encoding="utf-8") == code_map.rewrite(readme), (
         "README.md's code map drifted: run `python -m tools.code_map`"
     )
+
+
 def test_dvc_lock_records_the_code_and_params_each_stage_runs_now():
     """Pipeline code changed without the `make run` that records it leaves dvc.lock behind: a fresh `make run` would
     retrain. (After a change to a stage's code this fails until `make run` is committed with it.)"""

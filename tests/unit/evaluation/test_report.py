@@ -3,8 +3,8 @@ limits and figures of any merge, a reused checkpoint (pipeline/evaluation/report
 
 from __future__ import annotations
 
-from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 from pipeline.evaluation.report import evaluation_table, merge_proof, training_summary
+from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 
 WIDTH = 100
 MODELS = ("base", "adapter", "merged")
