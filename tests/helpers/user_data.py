@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 SYSTEM = "You are a terse assistant who answers in Chinese."
 
 
-def _pairs(texts: list[str]) -> list[tuple[str, str, str]]:
+def answers(texts: list[str]) -> list[tuple[str, str, str]]:
     """(question, answer, another answer) from consecutive texts: the material of every format's rows."""
     n = len(texts)
     return [(f"Continue: {texts[i][:24]}", texts[i][24:90], texts[(i + 7) % n][24:90]) for i in range(n)]
@@ -26,7 +26,7 @@ def _pairs(texts: list[str]) -> list[tuple[str, str, str]]:
 def stanford_alpaca(texts: list[str]) -> list[dict]:
     """Stanford Alpaca's rows: instruction, input ("" when there is none), output."""
     return [
-        {"instruction": q, "input": "" if i % 2 else a[:8], "output": a} for i, (q, a, _) in enumerate(_pairs(texts))
+        {"instruction": q, "input": "" if i % 2 else a[:8], "output": a} for i, (q, a, _) in enumerate(answers(texts))
     ]
 
 
@@ -40,7 +40,7 @@ def openai_messages(texts: list[str]) -> list[dict]:
                 {"role": "assistant", "content": a},
             ]
         }
-        for q, a, _ in _pairs(texts)
+        for q, a, _ in answers(texts)
     ]
 
 
@@ -56,13 +56,13 @@ def sharegpt(texts: list[str]) -> list[dict]:
             ],
             "system": SYSTEM,
         }
-        for q, a, b in _pairs(texts)
+        for q, a, b in answers(texts)
     ]
 
 
 def trl_standard(texts: list[str]) -> list[dict]:
     """TRL's standard preference rows with an explicit prompt."""
-    return [{"prompt": q, "chosen": a, "rejected": b} for q, a, b in _pairs(texts)]
+    return [{"prompt": q, "chosen": a, "rejected": b} for q, a, b in answers(texts)]
 
 
 def trl_conversational(texts: list[str]) -> list[dict]:
@@ -73,13 +73,13 @@ def trl_conversational(texts: list[str]) -> list[dict]:
             "chosen": [{"role": "assistant", "content": a}],
             "rejected": [{"role": "assistant", "content": b}],
         }
-        for q, a, b in _pairs(texts)
+        for q, a, b in answers(texts)
     ]
 
 
 def trl_implicit(texts: list[str]) -> list[dict]:
     """TRL's standard rows with an implicit prompt: whole texts sharing their beginning (a space before the answer)."""
-    return [{"chosen": f"{q} {a}", "rejected": f"{q} {b}"} for q, a, b in _pairs(texts)]
+    return [{"chosen": f"{q} {a}", "rejected": f"{q} {b}"} for q, a, b in answers(texts)]
 
 
 def trl_implicit_conversational(texts: list[str]) -> list[dict]:
@@ -89,7 +89,7 @@ def trl_implicit_conversational(texts: list[str]) -> list[dict]:
             "chosen": [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
             "rejected": [{"role": "user", "content": q}, {"role": "assistant", "content": b}],
         }
-        for q, a, b in _pairs(texts)
+        for q, a, b in answers(texts)
     ]
 
 
@@ -101,7 +101,7 @@ def sharegpt_pairs(texts: list[str]) -> list[dict]:
             "chosen": {"from": "gpt", "value": a},
             "rejected": {"from": "gpt", "value": b},
         }
-        for q, a, b in _pairs(texts)
+        for q, a, b in answers(texts)
     ]
 
 

@@ -57,11 +57,13 @@ def test_rows_read_as_their_ecosystem_means_them(texts):
         "chosen": conversational["chosen"][0]["content"],
         "rejected": conversational["rejected"][0]["content"],
     }
-    for implicit in user_data.trl_implicit(texts):
+    implicit_rows = user_data.trl_implicit(texts)
+    for implicit, (question, answer, other) in zip(implicit_rows, user_data.answers(texts), strict=True):
         pair = formats.canonical(implicit, "preference", at)
         assert pair["prompt"] + pair["chosen"] == implicit["chosen"]
         assert pair["prompt"] + pair["rejected"] == implicit["rejected"]
-        assert pair["chosen"].startswith(" ") and not pair["prompt"].endswith(" ")
+        if answer[0] != other[0]:
+            assert (pair["prompt"], pair["chosen"], pair["rejected"]) == (question, f" {answer}", f" {other}")
     implicit = user_data.trl_implicit_conversational(texts)[0]
     assert formats.canonical(implicit, "preference", at) == {
         "messages": implicit["chosen"][:1],
