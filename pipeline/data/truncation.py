@@ -42,13 +42,31 @@ def warnings(figures: dict, *, max_seq_len: int, sampled: bool) -> list[str]:
     if found is None:
         return []
     what, total, truncated, dropped = found
-    if not total or max(truncated, dropped) <= SHARE * total:
+    if not total or truncated <= SHARE * total:
         return []
-    scope = f"the first {total} {what} (a sample)" if sampled else f"{total} {what}"
-    fix = "raise data.max_seq_len"
-    if figures.get("kept_whole_at", 0) > max_seq_len:
-        fix = f"-S data.max_seq_len={figures['kept_whole_at']} keeps {KEPT_WHOLE:.0%} of them whole"
     return [
-        f"data.max_seq_len={max_seq_len} truncates {truncated} and drops {dropped} of {scope} "
-        f"({truncated / total:.0%} cut, {dropped / total:.0%} left with no response token to train on); {fix}"
+        f"data.max_seq_len={max_seq_len} cuts {truncated} of {_scope(total, what, sampled)} short "
+        f"({truncated / total:.0%}), {dropped} of them left with no response token to train on (dropped); "
+        f"{_fix(figures, max_seq_len)}"
     ]
+
+
+def refusal(figures: dict, *, max_seq_len: int, sampled: bool) -> str | None:
+    """Why training cannot go on: every example (pair) would lose its response; None where some keep theirs."""
+    found = counts_of(figures)
+    if found is None or not found[1] or found[3] < found[1]:
+        return None
+    what, total = found[0], found[1]
+    return (
+        f"data.max_seq_len={max_seq_len}: every one of {_scope(total, what, sampled)} loses its response (its prompt "
+        f"fills {max_seq_len} tokens); {_fix(figures, max_seq_len)}"
+    )
+
+
+def _scope(total: int, what: str, sampled: bool) -> str:
+    return f"the first {total} {what} (a sample)" if sampled else f"all {total} {what} of data.train_file"
+
+
+def _fix(figures: dict, max_seq_len: int) -> str:
+    whole = figures.get("kept_whole_at", 0)
+    return f"-S data.max_seq_len={whole} keeps {KEPT_WHOLE:.0%} of them whole" if whole > max_seq_len else "raise it"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +31,7 @@ from tests.helpers import user_data
 from tools.repro_check import GIT, copy_project, sh
 
 pytestmark = pytest.mark.integration
+MEASURED = ("tokenize_seconds", "tokens_per_second_per_core", "workers", "parts", "parts_reused")
 EXPERIMENT = ["-S", "experiment=ci_formats"]
 ROWS = 40  # per file: 2 held out (data.heldout_fraction 0.05), 38 trained
 
@@ -39,7 +39,8 @@ ROWS = 40  # per file: 2 held out (data.heldout_fraction 0.05), 38 trained
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     """A git+DVC copy of the project, every cell's file under user/, and the experiment `ci_formats`: the tiny
-    experiment with data=own on the tiny LLaMA, 2 steps, one short greedy sample, tracking off."""
+    experiment with data=own on the tiny LLaMA, 2 steps, examples of 192 tokens (most alpaca rows cut short), 600 bytes
+    of each set scored in disjoint windows, one short greedy sample, tracking off."""
     root = copy_project(tmp_path_factory.mktemp("formats"))
     texts = [text for text in peoples_daily if len(text) > 100][:ROWS]
     for name, (make, _) in user_data.FORMATS.items():
@@ -48,9 +49,9 @@ def repo(tmp_path_factory, tiny_base_dir, peoples_daily) -> Path:
     experiment = {
         "defaults": ["tiny", {"override /data": "own"}],
         "model": {"path": str(tiny_base_dir)},
-        "data": {"train_file": "user/stanford_alpaca-json.json"},
         "train": {"max_steps": 2, "eval_every": 2, "save_every": 2},
-        "eval": {"prompts": ["中国"], "max_new_tokens": 2},
+        "data": {"train_file": "user/stanford_alpaca-json.json", "max_seq_len": 192},
+        "eval": {"prompts": ["中国"], "max_new_tokens": 2, "max_bytes": 600, "stride": 64},
         "tracking": {"uri": ""},
     }
     (root / "conf/experiment/ci_formats.yaml").write_text("# @package _global_\n" + yaml.safe_dump(experiment))
@@ -75,10 +76,14 @@ def trained(repo) -> str:
 
 
 def test_alpaca_json_array_end_to_end(repo, trained):
-    assert "check: warning: data.max_seq_len=64 truncates" in trained and "-S data.max_seq_len=" in trained, trained
+    assert "check: warning: data.max_seq_len=192 cuts 36 of all 40 examples of data.train_file short" in trained
+    assert "-S data.max_seq_len=246 keeps 95% of them whole" in trained
     dataset = read_json(repo / "metrics/dataset.json")
     assert dataset["format"] == "alpaca" and dataset["examples"] == ROWS - 2, dataset
-    assert dataset["warnings"] and "data.max_seq_len=64" in dataset["warnings"][0]
+    assert dataset["warnings"] == [
+        "data.max_seq_len=192 cuts 34 of all 38 examples of data.train_file short (89%), 0 of them left with no "
+        "response token to train on (dropped); raise it"
+    ]
     held = eval_set_rows(repo, "in_domain")
     rows = json.loads((repo / "user/stanford_alpaca-json.json").read_text(encoding="utf-8"))
     assert held == rows[-2:], "the last 5% of the array's rows are the in-domain set, as the user wrote them"
@@ -130,17 +135,17 @@ def test_pairs_with_a_language_model_objective_are_refused_in_check(repo, traine
     sh(["git", "checkout", "--", "params.yaml"], repo)
 
 
-def run_cell(repo: Path, cell: Path, data_path: str) -> dict:
-    """check, cache_dataset, eval_set@in_domain and evaluate (the stages' own `main`, as dvc runs them) on the
-    cell's composed config, outputs under `cell`; the figures each wrote."""
-    from stages import cache_dataset, check, eval_set, evaluate
+def run_cell(repo: Path, cell: Path, data_path: str, sets: Path) -> dict:
+    """check, cache_dataset and eval_set@in_domain (the stages' own `main`, as dvc runs them) on the cell's composed
+    config, outputs under `cell` and its set under `sets`; the dataset's figures."""
+    from stages import cache_dataset, check, eval_set
 
-    _, data_format = user_data.FORMATS[data_path.split("/")[1].split("-")[0]]
+    _, data_format = user_data.FORMATS[Path(data_path).name.split("-")[0]]
     overrides = ["experiment=ci_formats", f"data.train_file={data_path}"]
     overrides += ["train.objective=dpo"] if data_format == "preference" else []
     cfg = config.validate(config.compose(repo / "conf", overrides))
     paths = argparse.Namespace(
-        conf=repo / "conf", produced=[repo / "data/corpus"], out=cell / "checked.json", memo=None, tokenizer=None
+        conf=repo / "conf", produced=[repo / "data/corpus"], out=cell / "checked.json", memo=None
     )
     check.main(paths, cfg)
     cached = argparse.Namespace(
@@ -148,29 +153,47 @@ def run_cell(repo: Path, cell: Path, data_path: str) -> dict:
         out=cell / "dataset", metrics=cell / "dataset.json", workers=1, chunk_chars=4000,
     )  # fmt: skip
     cache_dataset.main(cached, cfg)
-    eval_set.main(argparse.Namespace(name="in_domain", file=data_path, out=cell / "sets/in_domain"), cfg)
-    shutil.copytree(repo / "artifacts/eval_sets/en_wiki", cell / "sets/en_wiki")  # the default's other set
+    eval_set.main(argparse.Namespace(name="in_domain", file=data_path, out=sets), cfg)
+    return read_json(cell / "dataset.json")
+
+
+def evaluate_cells(repo: Path, out: Path, names: dict[str, str]) -> dict:
+    """evaluate's `main` over every cell's held-out set at once (one load of each model), with the adapter and merged
+    model of the alpaca run; eval.json's figures."""
+    from stages import evaluate
+
+    cfg = config.validate(config.compose(repo / "conf", ["experiment=ci_formats"]))
+    cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"sets": names})})
     artifacts = {name: repo / "artifacts" / name for name in ("base", "adapter", "merged")}
     scored = argparse.Namespace(
-        **artifacts, base_tokenizer=repo / "artifacts/base_tokenizer", sets=cell / "sets",
-        metrics=cell / "eval.json", plot=cell / "plot.csv", task_plot=cell / "tasks.csv", samples=cell / "samples.md",
+        **artifacts, base_tokenizer=repo / "artifacts/base_tokenizer", sets=out / "sets", metrics=out / "eval.json",
+        plot=out / "plot.csv", task_plot=out / "tasks.csv", samples=out / "samples.md",
     )  # fmt: skip
     evaluate.main(scored, cfg)
-    return {"dataset": read_json(cell / "dataset.json"), "eval": read_json(cell / "eval.json")}
+    return read_json(out / "eval.json")
 
 
 def test_every_format_in_every_container(repo, trained, tmp_path, monkeypatch):
     monkeypatch.chdir(repo)
-    found = {}
-    for name, (_, data_format) in user_data.FORMATS.items():
+    datasets, names = {}, {}
+    for name in user_data.FORMATS:
         for container in user_data.CONTAINERS:
-            figures = run_cell(repo, tmp_path / f"{name}-{container}", cell_path(repo, name, container))
-            dataset, evaluation = figures["dataset"], figures["eval"]
-            assert dataset["format"] == data_format, (name, container)
-            assert dataset["documents"] == ROWS - 2, (name, container, "the held-out part is left out")
-            assert evaluation["in_domain"]["base"]["bytes"] > 0, (name, container)
+            cell, path = f"{name}-{container}", cell_path(repo, name, container)
+            datasets[cell] = run_cell(repo, tmp_path / cell, path, tmp_path / "sets" / cell)
+            names[cell] = path
+    evaluation = evaluate_cells(repo, tmp_path, names)
+    for name, (_, data_format) in user_data.FORMATS.items():
+        jsonl = f"{name}-jsonl"
+        for container in user_data.CONTAINERS:
+            cell = f"{name}-{container}"
+            dataset = datasets[cell]
+            assert dataset["format"] == data_format and dataset["documents"] == ROWS - 2, (cell, dataset)
+            assert {k: v for k, v in dataset.items() if k not in MEASURED} == {
+                k: v for k, v in datasets[jsonl].items() if k not in MEASURED
+            }, (cell, "the container changes nothing")
+            held = (tmp_path / "sets" / cell / "items.jsonl").read_bytes()
+            assert held == (tmp_path / "sets" / jsonl / "items.jsonl").read_bytes(), cell
+            assert evaluation[cell]["base"]["bytes"] > 0 and evaluation[cell] == evaluation[jsonl], cell
             if data_format == "preference":
-                assert evaluation["preference"]["in_domain"]["merged"]["pairs"] == 2, (name, container)
-            found[name, container] = {k: v for k, v in dataset.items() if k in ("tokens", "train_rows", "examples")}
-    for name, container in found:
-        assert found[name, container] == found[name, "jsonl"], (name, container, "the container changes nothing")
+                figures = evaluation["preference"][cell]
+                assert figures["merged"]["pairs"] == 2 and figures == evaluation["preference"][jsonl], cell
