@@ -13,7 +13,7 @@ from pipeline.core import assets, config
 from pipeline.core.atomic import write_json
 from pipeline.data import truncation, verified
 from pipeline.data.formats import template_for
-from pipeline.data.inputs import detected_format, items, resolved_format
+from pipeline.data.inputs import data_files, detected_format, items, kind, resolved_format
 from pipeline.data.textio import verify
 from stages._common import run
 
@@ -141,13 +141,14 @@ def data_findings(cfg: config.Config, args: argparse.Namespace, known: set[str])
             continue
         try:
             read_as = detected_format(path) if read_as == "auto" else read_as
+            if read_as == "texts" and all(kind(file) == "text" for file in data_files(path)):
+                read_as = "text"  # the same reading as the data's text files (one verification for both)
         except (ValueError, FileNotFoundError) as err:
             errors.append(f"{key}: {err}")
             continue
-        read_as = "text" if read_as == "texts" and not path.endswith(".jsonl") else read_as
         if key.startswith("eval.sets.") and read_as != "text":
             row_sets[key.removeprefix("eval.sets.")] = read_as
-        if (file := verified.identity(path, read_as)) in known:
+        if (file := verified.identity(path, read_as)) in known | seen:
             seen.add(file)  # unchanged since it was read and found valid
             continue
         try:
