@@ -35,7 +35,9 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
             _link_hf_folder(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
         else:
             model.to(DTYPES[dtype]).save_pretrained(tmp, max_shard_size=max_shard_size)
-            _check_roundtrip(model, tmp)
+            expected = _probe(model)
+            del model  # the reloaded copy need not sit beside it: one model in memory at a time
+            _check_roundtrip(expected, tmp, DTYPES[dtype])
         save_tokenizer(tokenizer, tmp, source)
         config = _plain_config(tmp)
         outline.write(tmp)
@@ -132,14 +134,21 @@ def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_si
             shutil.copy2(path, dst / path.name)
 
 
-def _check_roundtrip(model, folder: Path) -> None:
-    """The saved folder must compute what the in-memory model computes."""
+PROBE = torch.arange(1, 17).unsqueeze(0)  # the tokens the roundtrip check runs
+
+
+def _probe(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(PROBE).logits
+
+
+def _check_roundtrip(expected: torch.Tensor, folder: Path, dtype: torch.dtype) -> None:
+    """The saved folder, loaded in `dtype`, must compute what the in-memory model computed (`expected`: its logits
+    on PROBE)."""
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype).eval()
-    ids = torch.arange(1, 17).unsqueeze(0)
-    with torch.inference_mode():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    torch.testing.assert_close(_probe(reloaded), expected, rtol=0, atol=0)
 
 
 def _plain_config(folder: Path):
