@@ -8,7 +8,8 @@ metrics/eval.json on the tiny LLaMA, in one DVC workspace with one DeepSpeed lau
   in-domain set, eval.json scores their responses, the model card names the format found;
 - `dvc repro -s` runs the data and evaluation stages on TRL's conversational pairs in a .jsonl.gz (trained, then
   evaluate failed, before): eval.json holds the held-out pairs' preference accuracy and margins beside the chosen
-  responses' bits per byte; an evaluation that fails afterwards leaves those figures in place;
+  responses' bits per byte, and those of an evaluation set of pairs of its own (LLaMA-Factory's, a JSON array); an
+  evaluation that fails afterwards leaves those figures in place;
 - preference pairs with train.objective=lm are refused by check, naming the file, its row's format and the fix, with
   nothing deleted;
 - every cell (format x container, 63) runs the stages `dvc repro` runs (check, cache_dataset, eval_set, evaluate),
@@ -100,17 +101,19 @@ def eval_set_rows(repo: Path, name: str) -> list:
 
 
 def test_preference_pairs_are_evaluated_as_pairs_and_a_failure_keeps_the_figures(repo, trained):
-    pairs = cell_path(repo, "trl_conversational", "gz")
+    pairs, independent = cell_path(repo, "trl_conversational", "gz"), cell_path(repo, "sharegpt_pairs", "json")
     overrides = ["experiment=ci_formats", f"data.train_file={pairs}", "train.objective=dpo"]
+    overrides += [f"+eval.sets.independent={independent}"]  # a set of pairs of its own, read as its rows show
     try:
         sh(["python", "-m", "pipeline.core.config", *overrides], repo)
-        stages = ["check", "cache_dataset", "eval_set@in_domain", "evaluate"]
+        stages = ["check", "cache_dataset", "eval_set@in_domain", "eval_set@independent", "evaluate"]
         for stage in stages:
             sh(["dvc", "repro", "-s", stage], repo)
         evaluation = read_json(repo / "metrics/eval.json")
         figures = evaluation["preference"]["in_domain"]
         assert set(figures) == {"base", "adapter", "merged"} and figures["base"]["pairs"] == 2, figures
         assert {"preference_accuracy", "mean_margin", "reward_accuracy"} <= set(figures["merged"])
+        assert evaluation["preference"]["independent"]["merged"]["pairs"] >= 1, "its first pairs, within max_bytes"
         assert evaluation["in_domain"]["base"]["bytes"] > 0, "the chosen responses' bits per byte"
         assert read_json(repo / "metrics/dataset.json")["pairs"] == ROWS - 2
         (repo / "artifacts/eval_sets/in_domain/set.json").unlink()
