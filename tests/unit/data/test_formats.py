@@ -161,3 +161,35 @@ def test_chat_brings_its_template_and_auto_validates():
     assert any("data.prompt_template" in w and "has no effect" in w for w in config.ineffective(custom, defaults)[1])
     own = config.validate(config.compose(REPO / "conf", ["data=own", "data.train_file=x.jsonl", "train.objective=dpo"]))
     assert own.data.format == "auto"
+
+
+def test_truncation_is_counted_as_cache_dataset_counts_it_and_said_with_the_fix(smol_tokenizer_dir, texts):
+    """The check's sample counts what sft_arrays / preference_arrays count at data.max_seq_len, and names the length
+    that keeps 95% of the examples whole; a share of 5% or less says nothing; every example dropped is a refusal."""
+    from pipeline.data import truncation
+    from pipeline.data.dataset import preference_arrays, sft_arrays
+    from pipeline.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smol_tokenizer_dir)
+    rows = user_data.stanford_alpaca(texts)
+    counts = truncation.sample(tokenizer, rows, data_format="alpaca", template="alpaca", max_seq_len=150)
+    assert {k: v for k, v in counts.items() if k != "kept_whole_at"} == sft_arrays(
+        tokenizer, rows, template="alpaca", max_seq_len=150
+    )[1]
+    whole = sft_arrays(tokenizer, rows, template="alpaca", max_seq_len=10_000)[0]["lengths"]
+    assert (whole <= counts["kept_whole_at"]).mean() >= 0.95 > (whole <= counts["kept_whole_at"] - 1).mean()
+    (warning,) = truncation.warnings(counts, max_seq_len=150, sampled=True)
+    assert warning.startswith(f"data.max_seq_len=150 cuts {counts['truncated_examples']} of the first 30 examples")
+    assert warning.endswith(f"-S data.max_seq_len={counts['kept_whole_at']} keeps 95% of them whole")
+    roomy = truncation.sample(tokenizer, rows, data_format="alpaca", template="alpaca", max_seq_len=4096)
+    assert truncation.warnings(roomy, max_seq_len=4096, sampled=False) == []
+    pairs = user_data.trl_standard(texts)
+    tight = truncation.sample(tokenizer, pairs, data_format="preference", template="alpaca", max_seq_len=16)
+    assert (
+        tight["dropped_pairs"]
+        == 30
+        == preference_arrays(tokenizer, pairs, template="alpaca", max_seq_len=16)[1]["dropped_pairs"]
+    )
+    assert "every one of all 30 pairs of data.train_file loses its response" in truncation.refusal(
+        tight, max_seq_len=16, sampled=False
+    )
