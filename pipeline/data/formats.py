@@ -245,15 +245,6 @@ def _shared(a, b) -> int:
     return n
 
 
-def texts(item: dict | str) -> list[str]:
-    """The strings of a canonical item: a document; a row's string fields and message contents."""
-    if isinstance(item, str):
-        return [item]
-    found = [value for value in item.values() if isinstance(value, str) and value]
-    found += [m["content"] for m in item.get("messages") or [] if _is_message(m)]
-    return found
-
-
 def template_for(data_format: str, prompt_template: str) -> str:
     """The prompt template rows are rendered with: the tokenizer's chat template for chat data (data.format=chat
     brings it), data.prompt_template for the others."""
