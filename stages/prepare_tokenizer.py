@@ -11,7 +11,15 @@ from pipeline.core import config
 from pipeline.core.atomic import atomic_path, write_json
 from pipeline.data.inputs import resolved_format
 from pipeline.data.textio import item_texts, split_count, stream
-from pipeline.data.tokenizer import META, first_chars, load_tokenizer, round_up, tokens_per_char, write_extended
+from pipeline.data.tokenizer import (
+    META,
+    first_chars,
+    model_tokenizer,
+    round_up,
+    tokens_per_char,
+    vocabulary_size,
+    write_extended,
+)
 from stages._common import run
 
 HELDOUT_CHARS = 8_000_000  # held-out characters the tokens per character are measured on (the first ones)
@@ -19,7 +27,7 @@ HELDOUT_CHARS = 8_000_000  # held-out characters the tokens per character are me
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     t, d = cfg.tokenizer, cfg.data
-    base = load_tokenizer(args.base)
+    base = model_tokenizer(args.base)  # the Rust tokenizer alone where it can: transformers costs 300 MB
     data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
     # the training data's files are read as its format (so that the held-out rows are those cache_dataset holds out)
     read_as = {path: "texts" if d.sources else data_format for path in (d.train_file, d.heldout_file)}
@@ -42,12 +50,12 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         else:
             shutil.copytree(args.base, tmp)
             added = 0
-        extended = load_tokenizer(tmp)
+        extended = model_tokenizer(tmp)
         metrics = {
-            "base_vocab_size": len(base),
-            "vocab_size": len(extended),
+            "base_vocab_size": vocabulary_size(args.base),
+            "vocab_size": vocabulary_size(tmp),
             "added_tokens": added,
-            "padded_vocab_size": round_up(len(extended), t.pad_to_multiple_of),
+            "padded_vocab_size": round_up(vocabulary_size(tmp), t.pad_to_multiple_of),
             "heldout_tokens_per_char_before": round(tokens_per_char(base, heldout_texts), 6),
             "heldout_tokens_per_char_after": round(tokens_per_char(extended, heldout_texts), 6),
         }

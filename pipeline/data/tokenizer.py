@@ -144,11 +144,15 @@ def light_tokenizer(folder: Path) -> LightTokenizer | None:
 
 
 def model_tokenizer(source: Path, memo: Path | None = None):
-    """The tokenizer of a model source: an HF folder's, or a .gguf file's (read from the file once, then from its copy
-    in the folder `memo`, kept with the file's path, size and time: the file's tokenizer takes seconds to read)."""
+    """The tokenizer of a model source: an HF folder's (the Rust tokenizer alone where it reads as transformers reads
+    it: no torch imported), or a .gguf file's (read from the file once, then from its copy in the folder `memo`, kept
+    with the file's path, size and time: the file's tokenizer takes seconds to read)."""
     source = Path(source)
     if source.is_dir():
-        return light_tokenizer(source) or load_tokenizer(source)
+        light = light_tokenizer(source)
+        if light is not None and not light.backend_tokenizer.encode("a b", add_special_tokens=False).ids:
+            raise ValueError(f"{source}: tokenizer loads empty; expected {HF_TOKENIZER} with a vocabulary")
+        return light or load_tokenizer(source)
     stat = source.stat()
     key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     if memo is not None and (memo / MEMO_KEY).is_file() and (memo / MEMO_KEY).read_text(encoding="utf-8") == key:
