@@ -23,7 +23,6 @@ from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
 from pipeline.checkpoints.adapter import MAGNITUDE, PREFIX, pattern_value
 from pipeline.checkpoints.model_files import FileTensor, model_tensors
-from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.precision import DTYPES, dtype_name
 from pipeline.data.tokenizer import BPE_FILES, find_tokenizer
@@ -206,31 +205,11 @@ def _merged_tensor(key: str, base: FileTensor, plan: Plan) -> torch.Tensor:
     return merged_weight(value, plan.deltas[key]) if key in plan.deltas else value
 
 
-def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Output shards in base order, each at most max_bytes (a tensor larger than that gets a shard alone)."""
-    shards, current, size = [], [], 0
-    for key in keys:
-        if current and size + sizes[key] > max_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += sizes[key]
-    return [*shards, current] if current else shards
-
-
 def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: str, max_bytes: int) -> int:
     """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
     kind = DTYPES[dtype]
     sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
     shapes = {key: tuple((plan.replacements.get(key) or src).shape) for key, src in sources.items()}
-    sizes = {key: math.prod(shape) * torch.empty((), dtype=kind).element_size() for key, shape in shapes.items()}
-    layout = _layout(list(sources), sizes, max_bytes)
-    count = len(layout)
-    names = (
-        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        if count > 1
-        else ["model.safetensors"]
-    )
 
     def produce(key: str) -> torch.Tensor:
         value = _merged_tensor(key, sources[key], plan)
@@ -238,13 +217,8 @@ def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: s
             raise ValueError(f"merged tensor {key} holds NaN or Inf")
         return value.to(kind)
 
-    for name, shard in zip(names, layout, strict=True):
-        safetensors_stream.write(out / name, [(key, shapes[key], kind) for key in shard], produce)
-    if count > 1:
-        weight_map = {key: name for name, shard in zip(names, layout, strict=True) for key in shard}
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        (out / INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    return count
+    entries = [(key, shapes[key], kind) for key in sources]
+    return safetensors_stream.write_shards(out, entries, produce, max_bytes=max_bytes)
 
 
 EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight")
