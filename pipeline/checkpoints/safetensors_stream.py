@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -55,6 +56,17 @@ def write(
             out.write(data)
             del tensor, data  # before the next one is produced
     return digests
+
+
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str, key: str) -> int:
+    """Bytes of a size as save_pretrained's max_shard_size takes it ("2GB", "500MB"); refused naming `key`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", text.upper())
+    if match is None:
+        raise ValueError(f"{key}: {text!r}; expected a size such as 2GB or 500MB")
+    return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
 def write_shards(

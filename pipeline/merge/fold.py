@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,6 @@ from pipeline.merge.verify import TOLERANCES, logits_gap
 
 REPORT = "merge_report.json"
 NO_TOKENIZER = "no tokenizer in the base or adapter folder, and none given"
-SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
 @dataclass(frozen=True)
@@ -55,13 +53,6 @@ class Plan:
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
     vocab_rows: int = 0
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", text.upper())
-    if match is None:
-        raise ValueError(f"merge.max_shard_size: {text!r}; expected a size such as 2GB or 500MB")
-    return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
@@ -305,7 +296,7 @@ def merge(
         raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(TOLERANCES)}")
     if not base_dir.is_dir():
         raise FileNotFoundError(f"{base_dir}: no such base model folder")
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = safetensors_stream.parse_size(max_shard_size, "merge.max_shard_size")
     config, adapter = read_adapter(adapter_dir)
     base, base_config = model_tensors(base_dir), read_json(base_dir / "config.json")
     embed, head, tied = _embedding_names(base_dir, base_config, base)
