@@ -6,22 +6,19 @@ memory never holds a file; errors name the file and the line (or row, or element
 
 from __future__ import annotations
 
-import codecs
 import glob
 import io
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from pipeline.data import formats
+from pipeline.data import formats, json_array
 
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # any other suffix is plain text
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")
 COLUMNS = {"alpaca": ("instruction", "output"), "preference": ("chosen", "rejected")}  # a Parquet file must have
-MAX_ELEMENT_CHARS = 1 << 26  # a JSON array's element longer than this is refused (else a broken one is read whole)
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
@@ -218,105 +215,13 @@ def _json_row(path: Path | str, number: int, line: str) -> dict:
 def is_array(path: Path) -> bool:
     """Whether a file's first non-blank character opens a JSON array."""
     with open_bytes(path) as file:
-        while block := file.read(4096):
-            if stripped := block.lstrip():
-                return stripped.startswith(b"[")
-    return False
+        return json_array.opens_array(file)
 
 
 def json_elements(path: Path) -> Iterator[tuple[int, int, dict]]:
-    """(element number, line, object) of a JSON array file, decoded a block at a time: memory holds a block and the
-    element being read, never the file. Errors name the element and its line."""
-    decoder, text = json.JSONDecoder(), _Text(path)
-    text.expect("[", "a JSON array")
-    number = 0
-    if text.skip() == "]":
-        text.close()
-        return
-    while True:
-        number += 1
-        text.skip()
-        line = text.line()
-        yield number, line, _element(decoder, text, path, number, line)
-        after = text.skip()
-        if after == "]":
-            text.close()
-            return
-        text.expect(",", f"',' or ']' after element {number}")
-
-
-def _element(decoder: json.JSONDecoder, text: _Text, path: Path, number: int, line: int) -> dict:
-    at = f"{path}:element {number} (line {line})"
-    while True:
-        try:
-            value, end = decoder.raw_decode(text.buffer, text.pos)
-            break
-        except json.JSONDecodeError as err:
-            near_end = err.pos >= len(text.buffer) - 8 or err.msg.startswith("Unterminated string")
-            if not (near_end and text.more()):
-                raise ValueError(f"{at}: invalid JSON ({err.msg})") from None
-        if len(text.buffer) - text.pos > MAX_ELEMENT_CHARS:
-            raise ValueError(f"{at}: an element longer than {MAX_ELEMENT_CHARS:,} characters, or not closed")
-    if not isinstance(value, dict):
-        raise ValueError(f"{at}: expected a JSON object, got {type(value).__name__}")
-    text.advance(end)
-    return value
-
-
-_BLANK = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
-
-
-class _Text:
-    """A file's text read forward a block at a time, for `json_elements`: `buffer[pos:]` is what is left of the
-    blocks read so far; lines are counted as the reading position passes them."""
-
-    def __init__(self, path: Path):
-        self.path, self.file = path, open_bytes(path)
-        self.decoder = codecs.getincrementaldecoder("utf-8")()
-        self.buffer, self.pos, self.lines, self.eof = "", 0, 1, False
-
-    def more(self) -> bool:
-        """Read the next block onto the buffer (dropping what was read past); False at the end of the file."""
-        if self.eof:
-            return False
-        block = self.file.read(LINES_BLOCK)
-        self.eof = not block
-        try:
-            decoded = self.decoder.decode(block, final=self.eof)
-        except UnicodeDecodeError:
-            raise ValueError(f"{self.path}:{self.lines}: invalid UTF-8 after this line; expected UTF-8 text") from None
-        self.buffer, self.pos = self.buffer[self.pos :] + decoded, 0
-        return bool(block)
-
-    def advance(self, end: int) -> None:
-        self.lines += self.buffer.count("\n", self.pos, end)
-        self.pos = end
-
-    def line(self) -> int:
-        return self.lines
-
-    def skip(self) -> str:
-        """Pass whitespace; the next character ('' at the end of the file)."""
-        while True:
-            self.advance(_BLANK.match(self.buffer, self.pos).end())
-            if self.pos < len(self.buffer):
-                return self.buffer[self.pos]
-            if not self.more():
-                return ""
-
-    def expect(self, char: str, what: str) -> None:
-        found = self.skip()
-        if found != char:
-            shown = repr(found) if found else "the end of the file"
-            raise ValueError(f"{self.path}:{self.lines}: expected {what}, found {shown}")
-        self.advance(self.pos + 1)
-
-    def close(self) -> None:
-        """The end of the array: nothing but whitespace may follow."""
-        self.advance(self.pos + 1)
-        if self.skip():
-            raise ValueError(f"{self.path}:{self.lines}: text after the JSON array's closing ']'")
-        self.file.close()
+    """(element number, line, object) of a JSON array file (`json_array.elements`), decompressed as it is read."""
+    with open_bytes(path) as file:
+        yield from json_array.elements(file, str(path))
 
 
 def _parquet_items(path: Path, data_format: str) -> Iterator:

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pipeline.core import config
-from pipeline.data import formats, inputs
+from pipeline.data import formats, json_array
 from pipeline.data.inputs import detected_format, items
 from pipeline.data.textio import verify
 from tests.conftest import REPO
@@ -139,7 +139,7 @@ def test_json_array_elements_across_blocks_are_read_whole(tmp_path, monkeypatch)
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows, indent=4), encoding="utf-8")
     for block in (1, 7, 64, 1 << 22):
-        monkeypatch.setattr(inputs, "LINES_BLOCK", block)
+        monkeypatch.setattr(json_array, "BLOCK", block)
         assert list(items(path, "alpaca")) == rows, block
     assert list(items(tmp_path / "rows.json", "jsonl")) == rows
     (tmp_path / "empty.json").write_text(" [ ] \n", encoding="utf-8")
