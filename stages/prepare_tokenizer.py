@@ -56,9 +56,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             "vocab_size": vocabulary_size(tmp),
             "added_tokens": added,
             "padded_vocab_size": round_up(vocabulary_size(tmp), t.pad_to_multiple_of),
-            "heldout_tokens_per_char_before": round(tokens_per_char(base, heldout_texts), 6),
-            "heldout_tokens_per_char_after": round(tokens_per_char(extended, heldout_texts), 6),
-        }
+            "heldout_tokens_per_char_before": round(before := tokens_per_char(base, heldout_texts), 6),
+            "heldout_tokens_per_char_after": round(tokens_per_char(extended, heldout_texts) if t.extend else before, 6),
+        }  # the base passed through is the base: measured once
         write_json(tmp / META, {"extended": t.extend, **metrics})
     write_json(args.metrics, metrics)
     print(f"prepare_tokenizer: {metrics}")
