@@ -4,18 +4,22 @@ ShareGPT, TRL's standard, conversational and implicit-prompt pairs, LLaMA-Factor
 metrics/eval.json on the tiny LLaMA, in one DVC workspace with one DeepSpeed launch:
 
 - `dvc exp run` trains on Stanford Alpaca's JSON array (the issue's first row, refused before) end to end: check warns
-  that the tiny max_seq_len drops most examples and names the length that keeps them, the held-out rows are the
-  in-domain set, eval.json scores their responses, the model card names the format found;
+  that the experiment's max_seq_len cuts most examples short and names the length that keeps them whole, the held-out
+  rows are the in-domain set as the user wrote them, eval.json scores their responses, the model card names the
+  format found;
 - `dvc repro -s` runs the data and evaluation stages on TRL's conversational pairs in a .jsonl.gz (trained, then
   evaluate failed, before): eval.json holds the held-out pairs' preference accuracy and margins beside the chosen
   responses' bits per byte, and those of an evaluation set of pairs of its own (LLaMA-Factory's, a JSON array); an
-  evaluation that fails afterwards leaves those figures in place;
+  evaluation that fails afterwards leaves those figures in place (persistent outputs);
 - preference pairs with train.objective=lm are refused by check, naming the file, its row's format and the fix, with
   nothing deleted;
-- every cell (format x container, 63) runs the stages `dvc repro` runs (check, cache_dataset, eval_set, evaluate),
-  in-process on its own composed config (experiment ci_formats, data.train_file = the cell's path), with the adapter
-  of the run above: each is accepted by check, cached with its held-out part left out (the same examples as its JSONL
-  cell: the container changes nothing), and scored in its own eval.json (pairs: preference figures too)."""
+- every cell (format x container, 63) runs check, cache_dataset and eval_set (the stages' own `main`, in-process, on
+  its own composed config: experiment ci_formats, data.train_file = the cell's path), then one evaluate `main`
+  scores every cell's held-out set with the adapter of the run above (one load of each model rather than 63): each
+  cell is accepted by check, cached with its held-out part left out, and scored; each container gives its format's
+  JSONL cell's dataset figures, held-out bytes and eval.json figures (pairs: preference figures too), so the
+  container changes nothing. Training on each format is not repeated here (one SFT launch; DPO on pairs:
+  tests/integration/test_preference_training.py)."""
 
 from __future__ import annotations
 
