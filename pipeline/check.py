@@ -2,16 +2,24 @@
 call), so that a bad value stops the pipeline before DVC deletes a single output: keys set where they have no effect
 refused (or warned about) by name; the model folder, the launch (batch arithmetic, precision, ranks, every node) and
 LoRA targets named one by one against the model's Linear layers; the resume point; the input files read as the stages
-will read them (those unchanged since they were last found valid are not read again)."""
+will read them (those unchanged since they were last found valid are not read again; the data's format found from its
+first row with data.format=auto, and matched to train.objective); where rows are involved, the first ones tokenized
+with the base's tokenizer as the stages will (a warning when data.max_seq_len cuts more than a small share of them;
+each evaluation set's first rows scored as evaluate does)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from pipeline.core import assets, config
-from pipeline.data import verified
+from pipeline.data import truncation, verified
+from pipeline.data.formats import template_for
+from pipeline.data.inputs import data_files, detected_format, items, kind, resolved_format
 from pipeline.data.textio import verify
+
+TRIED_ROWS = 8  # rows of each evaluation set tried as evaluate will score them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,27 +31,18 @@ class Checked:
     verified: set[str]
 
 
-def check(cfg: config.Config, *, defaults: config.Config, produced: list[Path], known: set[str]) -> Checked:
+def check(
+    cfg: config.Config, *, defaults: config.Config, produced: list[Path], known: set[str], tokenizer_memo: Path | None
+) -> Checked:
     """Every problem of `cfg` (composed with `defaults`: conf/ as it stands), input files in folders an earlier
-    stage writes (`produced`) left to that stage, files whose identity is in `known` taken as valid."""
+    stage writes (`produced`) left to that stage, files whose identity is in `known` taken as valid; a .gguf base's
+    tokenizer kept in the folder `tokenizer_memo` (None: read from the file each time)."""
     errors, warnings = config.ineffective(cfg, defaults)
     errors += model_errors(cfg)
     if cfg.train.resume_from and not (Path(cfg.train.resume_from) / "latest").is_file():
         errors.append(f"train.resume_from: {cfg.train.resume_from} holds no checkpoint ('latest' missing)")
-    seen = set()
-    for key, path, data_format in inputs(cfg):
-        if is_produced(path, produced):
-            continue
-        data_format = "text" if data_format == "texts" and not path.endswith(".jsonl") else data_format
-        if (file := verified.identity(path, data_format)) in known:
-            seen.add(file)  # unchanged since it was read and found valid
-            continue
-        try:
-            check_file(key, path, data_format)
-            seen.add(file)
-        except ValueError as err:
-            errors.append(str(err))
-    return Checked(errors=list(dict.fromkeys(errors)), warnings=warnings, verified=seen)
+    found, cautions, seen = data_findings(cfg, produced=produced, known=known, tokenizer_memo=tokenizer_memo)
+    return Checked(errors=list(dict.fromkeys(errors + found)), warnings=warnings + cautions, verified=seen)
 
 
 def is_produced(path: str, outputs: list[Path]) -> bool:
@@ -59,15 +58,115 @@ def check_file(key: str, path: str, data_format: str) -> None:
         raise ValueError(f"{key}: {err}") from None
 
 
-def inputs(cfg: config.Config) -> list[tuple[str, str, str]]:
-    """(key, path, format) of every input file the configuration names."""
+def inputs(cfg: config.Config, data_format: str) -> list[tuple[str, str, str]]:
+    """(key, path, format) of every input file the configuration names ("auto": as its first row shows)."""
     d, t = cfg.data, cfg.tokenizer
-    files = [("data.train_file", d.train_file, d.format), ("data.heldout_file", d.heldout_file, d.format)]
+    files = [("data.train_file", d.train_file, data_format), ("data.heldout_file", d.heldout_file, data_format)]
     files += [(f"data.sources.{i}.file", s.file, s.format) for i, s in enumerate(d.sources)]
     if t.extend:
         files += [("tokenizer.train_file", t.train_file, "texts"), ("tokenizer.heldout_file", t.heldout_file, "texts")]
-    files += [(f"eval.sets.{n}", p, "text" if not p.endswith(".jsonl") else "jsonl") for n, p in cfg.eval.sets.items()]
+    own = () if d.sources else (d.train_file, d.heldout_file)
+    files += [(f"eval.sets.{n}", p, data_format if p in own else "auto") for n, p in cfg.eval.sets.items()]
     return files
+
+
+def data_findings(
+    cfg: config.Config, *, produced: list[Path], known: set[str], tokenizer_memo: Path | None
+) -> tuple[list[str], list[str], set[str]]:
+    """(errors, warnings, files found valid) about the data: its format, every input file read as its stage will
+    (those in `known` are unchanged since they were), then the first rows tokenized with the base's tokenizer where
+    any input holds rows (`sample_findings`)."""
+    from pipeline.data.tokenizer import model_tokenizer
+
+    data_format, errors = format_errors(cfg)
+    if data_format is None:
+        return errors, [], set()
+    seen, row_sets = set(), {}
+    for key, path, read_as in inputs(cfg, data_format):
+        if is_produced(path, produced):
+            continue
+        try:
+            read_as = detected_format(path) if read_as == "auto" else read_as
+            if read_as == "texts" and all(kind(file) == "text" for file in data_files(path)):
+                read_as = "text"  # the same reading as the data's text files (one verification for both)
+        except (ValueError, FileNotFoundError) as err:
+            errors.append(f"{key}: {err}")
+            continue
+        if key.startswith("eval.sets.") and read_as != "text":
+            row_sets[key.removeprefix("eval.sets.")] = read_as
+        if (file := verified.identity(path, read_as)) in known | seen:
+            seen.add(file)  # unchanged since it was read and found valid
+            continue
+        try:
+            check_file(key, path, read_as)
+            seen.add(file)
+        except ValueError as err:
+            errors.append(str(err))
+    if errors or (data_format == "text" and not row_sets):
+        return errors, [], seen
+    try:
+        tokenizer = model_tokenizer(assets.resolve(cfg.model.path), tokenizer_memo)
+    except (ValueError, FileNotFoundError) as err:
+        return [f"model.path: {err}"], [], seen
+    found, warnings = sample_findings(cfg, data_format, row_sets, tokenizer)
+    return found, warnings, seen
+
+
+def format_errors(cfg: config.Config) -> tuple[str | None, list[str]]:
+    """The training data's format (data.format, or with auto what its first row shows) and what is wrong with it:
+    a row no format fits, or pairs without a preference objective (and the other way round)."""
+    d = cfg.data
+    try:
+        data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
+    except (ValueError, FileNotFoundError) as err:
+        return None, [f"data.train_file: {err}"]
+    pairs, objective = data_format == "preference", cfg.train.objective
+    if d.format == "auto" and pairs != (objective != "lm"):
+        fix = "-S train.objective=dpo (or orpo, simpo)" if pairs else "-S train.objective=lm"
+        found = "preference pairs" if pairs else f"{data_format} data"
+        return data_format, [
+            f"data.format=auto: {d.train_file} holds {found} (its first row); train.objective={objective} trains on "
+            f"{'text or instructions' if objective == 'lm' else 'pairs'}; expected {fix}"
+        ]
+    return data_format, []
+
+
+def sample_findings(cfg: config.Config, data_format: str, sets: dict[str, str], tokenizer) -> tuple[list, list]:
+    """(errors, warnings) from the first rows tokenized as the stages will: the training rows' truncation at
+    data.max_seq_len (a sample of truncation.SAMPLE_ROWS), and each row set's first TRIED_ROWS scored as evaluate
+    scores them."""
+    from pipeline.evaluation.likelihood import set_examples
+    from pipeline.evaluation.preference import load_pairs
+
+    d, errors, warnings = cfg.data, [], []
+    template = template_for(data_format, d.prompt_template)
+    if data_format != "text" and not d.sources:
+        try:
+            rows = list(islice(items(d.train_file, data_format), truncation.SAMPLE_ROWS))
+            counts = truncation.sample(
+                tokenizer, rows, data_format=data_format, template=template, max_seq_len=d.max_seq_len
+            )
+            sampled = len(rows) == truncation.SAMPLE_ROWS
+            warnings += truncation.warnings(counts, max_seq_len=d.max_seq_len, sampled=sampled)
+            if refused := truncation.refusal(counts, max_seq_len=d.max_seq_len, sampled=sampled):
+                errors.append(refused)
+        except ValueError as err:
+            errors.append(f"data.train_file: {err}")
+    for name, set_as in sets.items():
+        path, key = cfg.eval.sets[name], f"eval.sets.{name}"
+        try:
+            set_examples(
+                tokenizer,
+                islice(items(path, set_as), TRIED_ROWS),
+                data_format=set_as,
+                template=template,
+                max_bytes=None,
+            )
+            if set_as == "preference":
+                load_pairs(tokenizer, path, template=template, max_seq_len=d.max_seq_len, key=key, max_bytes=1)
+        except ValueError as err:
+            errors.append(f"{key}: {err}")
+    return errors, warnings
 
 
 def model_errors(cfg: config.Config) -> list[str]:

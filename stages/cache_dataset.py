@@ -10,7 +10,9 @@ from pathlib import Path
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json, write_json
 from pipeline.core.log import logger
-from pipeline.data import assembly, mixing, streamed
+from pipeline.data import assembly, mixing, streamed, truncation
+from pipeline.data.formats import template_for
+from pipeline.data.inputs import resolved_format
 from stages._common import run
 
 log = logger("cache_dataset")
@@ -20,11 +22,12 @@ CHUNK_CHARS = 1_000_000  # characters of input per part: what a worker holds, an
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     d = cfg.data
+    data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
     packing = assembly.Packing(
-        data_format=d.format,
+        data_format=data_format,
         block_size=d.block_size,
         tail=d.tail,
-        template=d.prompt_template,
+        template=template_for(data_format, d.prompt_template),
         max_seq_len=d.max_seq_len,
         validation_fraction=d.validation_fraction,
         seed=d.seed,
@@ -57,7 +60,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             )
     shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - start
+    cautions = truncation.warnings(stats, max_seq_len=d.max_seq_len, sampled=False)
     metrics = {k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()}
+    metrics |= {"format": data_format, "warnings": cautions}
     write_json(args.metrics, metrics)
     for name, share in stats.pop("sources", {}).items():
         log.info(
@@ -66,6 +71,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
             f"{share['items']} items)"
         )
     log.info(f"{stats}; {stats['tokens'] / seconds:,.0f} tokens/s ({seconds:.2f} s)")
+    for caution in cautions:
+        log.info(f"warning: {caution}")
     return metrics
 
 

@@ -1,6 +1,7 @@
 """Stage check (the first): the whole configuration and every input file it names, checked before any stage runs,
 so that a bad value stops the pipeline before DVC deletes a single output (`pipeline.check`). Unknown keys get the
-closest known one suggested (when params.yaml is loaded)."""
+closest known one suggested (when params.yaml is loaded); the data's format is found from its first row
+(data.format=auto) and its first rows are tokenized as the stages will."""
 
 import argparse
 from pathlib import Path
@@ -18,7 +19,8 @@ log = logger("check")
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
     known = verified.load(args.memo) if args.memo else set()
     defaults = config.validate(config.compose(args.conf), "conf/")
-    found = check(cfg, defaults=defaults, produced=args.produced, known=known)
+    tokenizer_memo = args.memo.with_name("check_tokenizer") if args.memo else None
+    found = check(cfg, defaults=defaults, produced=args.produced, known=known, tokenizer_memo=tokenizer_memo)
     for warning in found.warnings:
         log.info(f"warning: {warning}")
     if found.errors:

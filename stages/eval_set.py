@@ -1,16 +1,17 @@
-"""Stage eval_set (one per `eval.sets` entry, `eval_set@NAME`): the set's file, read as evaluate will read it, copied
-into the folder evaluate depends on. Declaring a set in the config is enough: the graph follows it."""
+"""Stage eval_set (one per `eval.sets` entry, `eval_set@NAME`): the set's data path, read as evaluate will read it (any
+container cache_dataset reads: a folder, a glob, Parquet, compressed, a JSON array), written in our form into the
+folder evaluate depends on (`pipeline/data/eval_sets.py`); the training data's own path gives its held-out part.
+Declaring a set in the config is enough: the graph follows it."""
 
 import argparse
-import json
-import shutil
 from itertools import islice
 from pathlib import Path
 
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path
 from pipeline.core.log import logger
-from pipeline.data.inputs import items, kind
+from pipeline.data import eval_sets
+from pipeline.data.inputs import items, resolved_format
 from pipeline.data.textio import held_out_count, verify
 from stages._common import run
 
@@ -18,28 +19,27 @@ log = logger("eval_set")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> None:
-    source, d = Path(args.file), cfg.data
-    data_format = "jsonl" if kind(source) == "jsonl" else "text"
+    d = cfg.data
+    derived = args.file == d.train_file == d.heldout_file  # the training file's held-out part, never trained on
     try:
-        count = verify(source, data_format)
+        data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
+        own = () if d.sources else (d.train_file, d.heldout_file)
+        set_as = eval_sets.set_format(args.file, data_format=data_format, data_paths=own)
+        count = verify(args.file, set_as)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"eval.sets.{args.name}: {err}") from None
+    found = items(args.file, set_as)  # streamed: one item held
+    if derived:
+        found = islice(found, count - held_out_count(count, d.heldout_fraction), None)
     with atomic_path(args.out) as tmp:
-        tmp.mkdir()
-        if args.file == d.train_file == d.heldout_file:  # the training file's held-out part, never trained on
-            held = held_out_count(count, d.heldout_fraction)
-            with (tmp / source.name).open("w", encoding="utf-8") as out:
-                for item in islice(items(source, data_format), count - held, None):  # streamed: one item held
-                    out.write((item if data_format == "text" else json.dumps(item, ensure_ascii=False)) + "\n")
-            log.info(f"{args.name} = the last {held} item(s) of {source} (held out from training)")
-        else:
-            shutil.copy2(source, tmp / source.name)
-            log.info(f"{args.name} = {source}")
+        written = eval_sets.write_set(tmp, found, data_format=set_as, source=args.file, held_out=derived)
+    what = "held out from training" if derived else "all of it"
+    log.info(f"{args.name} = {written} {set_as} item(s) of {args.file} ({what})")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", required=True, help="the set's name in eval.sets")
-    parser.add_argument("--file", required=True, help="its text (one document per line) or JSONL file")
-    parser.add_argument("--out", type=Path, required=True, help="folder to copy it into")
+    parser.add_argument("--file", required=True, help="its data path (text, JSON, JSONL or Parquet; a folder, a glob)")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write it into")
     run(main, parser)

@@ -1,6 +1,8 @@
-"""Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set,
-greedy samples from fixed prompts, the accuracy of each on the lm-evaluation-harness tasks of eval.tasks and on the
-held-out pairs of eval.preference_sets; the table and eval.json name the adapter's variant (DoRA, LoRA+, QLoRA)."""
+"""Stage evaluate: bits per byte and perplexity of the base, base + adapter and merged models on every eval set (text
+documents whole; instruction rows and preference pairs on their (chosen) responses), greedy samples from fixed
+prompts, the accuracy of each on the lm-evaluation-harness tasks of eval.tasks and on the held-out pairs of the eval
+sets that hold pairs and of eval.preference_sets; the table and eval.json name the adapter's variant (DoRA, LoRA+,
+QLoRA)."""
 
 import argparse
 from pathlib import Path
@@ -8,6 +10,9 @@ from pathlib import Path
 from pipeline.core import config
 from pipeline.core.atomic import write_json
 from pipeline.core.log import logger
+from pipeline.data import eval_sets
+from pipeline.data.formats import template_for
+from pipeline.data.inputs import resolved_format
 from pipeline.evaluation import comparison, tasks
 from pipeline.evaluation.results import PREFERENCE_KEY, TASKS_KEY, VARIANT_KEY
 from stages._common import run
@@ -16,10 +21,12 @@ log = logger("eval")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    e = cfg.eval
+    e, d = cfg.eval, cfg.data
     specs = tasks.load_tasks(e.tasks, e.task_code)  # checked before any model is loaded
+    sets = {name: eval_sets.read_set(args.sets / name) for name in e.sets}
+    data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
     scoring = comparison.Scoring(
-        template=cfg.data.prompt_template,
+        template=template_for(data_format, d.prompt_template),
         max_bytes=e.max_bytes,
         context=e.context,
         stride=e.stride,
@@ -35,7 +42,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         base_tokenizer=args.base_tokenizer,
         adapter=args.adapter,
         merged=args.merged,
-        sets={name: args.sets / name / Path(path).name for name, path in e.sets.items()},
+        sets=sets,
         specs=specs,
         scoring=scoring,
         preference_sets={name: Path(path) for name, path in e.preference_sets.items()},

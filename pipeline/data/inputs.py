@@ -1,6 +1,8 @@
 """The data files users have: a data path names one file, a folder (every data file under it) or a glob of files;
-each is plain text (one document per line), JSONL or Parquet, each optionally compressed (.gz, .bz2, .zst). Read a
-line (or a Parquet batch) at a time, so that memory never holds a file; errors name the file and the line (or row)."""
+each is plain text (one document per line), JSON (an array of rows, or one row per line: JSONL) or Parquet, each
+optionally compressed (.gz, .bz2, .zst). Read a line, a JSON array's element (or a Parquet batch) at a time, so that
+memory never holds a file; errors name the file and the line (or row, or element). Rows are read as their format
+(`formats.canonical`)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from pipeline.data import formats, json_array
+
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
-KINDS = {".jsonl": "jsonl", ".parquet": "parquet"}  # any other suffix is plain text
-DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".parquet")
-REQUIRED_FIELDS = {
-    "text": (),
-    "alpaca": ("instruction", "output"),
-    "chat": ("messages",),
-    "preference": ("chosen", "rejected"),  # and one of "prompt", "messages" (`check_fields`)
-    "jsonl": (),
-}
+KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # any other suffix is plain text
+DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")
+COLUMNS = {"alpaca": ("instruction", "output"), "preference": ("chosen", "rejected")}  # a Parquet file must have
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
@@ -45,7 +43,7 @@ def data_files(spec: Path | str) -> list[Path]:
     raise FileNotFoundError(f"{path}: data file not found")
 
 
-_EXPECTED = "a file, a folder or a glob of .txt, .jsonl or .parquet files, each optionally .gz, .bz2 or .zst"
+_EXPECTED = "a file, a folder or a glob of .txt, .jsonl, .json or .parquet files, each optionally .gz, .bz2 or .zst"
 
 
 def _is_data_file(path: Path) -> bool:
@@ -54,7 +52,7 @@ def _is_data_file(path: Path) -> bool:
 
 
 def kind(path: Path) -> str:
-    """How a file is read: "text", "jsonl" or "parquet" (by its suffix, under any compression suffix)."""
+    """How a file is read: "text", "jsonl", "json" or "parquet" (by its suffix, under any compression suffix)."""
     suffixes = path.suffixes[:-1] if path.suffix in CODECS else path.suffixes
     return KINDS.get(suffixes[-1] if suffixes else "", "text")
 
@@ -109,6 +107,50 @@ def lines(path: Path) -> Iterator[tuple[int, str]]:
                 return
 
 
+def detected_format(spec: Path | str) -> str:
+    """The format a data path's first item shows (`data.format: auto`): text for plain text, else the format of its
+    first row (`formats.detect`: refused, with the row, where the fields fit none or several)."""
+    path = data_files(spec)[0]
+    if kind(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        if batch is None or not batch.num_rows:
+            raise ValueError(f"{path}: data file is empty")
+        return formats.detect(batch.to_pylist()[0], formats.where(path, "row 1"))
+    if kind(path) != "text" and is_array(path):
+        for number, line, row in json_elements(path):
+            return formats.detect(row, formats.where(path, f"element {number} (line {line})"))
+        raise ValueError(f"{path}: data file is empty (an empty JSON array)")
+    number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
+    if not number:
+        raise ValueError(f"{path}: data file is empty")
+    if kind(path) == "text":  # plain text, unless its lines are JSON rows (read as their format, as JSONL is)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            return "text"
+        if not isinstance(row, dict):
+            return "text"
+        if (found := formats.detect(row, formats.where(path, number))) == "text":
+            raise ValueError(
+                f"{path}:{number}: a JSON object with 'text' in a plain text file; expected one document per line, or "
+                "its rows in a .jsonl file (their 'text' fields are read then)"
+            )
+        return found
+    return formats.detect(_json_row(path, number, line), formats.where(path, number))
+
+
+def resolved_format(data_format: str, spec: Path | str, sources: list[str] | None = None) -> str:
+    """`data_format`, or with "auto" the format the data shows: the first row of `spec`, or for a mix the family of
+    its `sources`' formats (text, else the first row format among them)."""
+    if data_format != "auto":
+        return data_format
+    if sources:
+        return next((f for f in sources if f != "text"), "text")
+    return detected_format(spec)
+
+
 class Line(NamedTuple):
     """A JSONL line not yet parsed (`items(..., deferred=True)`): the cache_dataset workers parse it."""
 
@@ -119,8 +161,9 @@ class Line(NamedTuple):
 
 def items(spec: Path | str, data_format: str, *, deferred: bool = False) -> Iterator:
     """Every item of a data path in order: `text` documents (non-blank lines of a text file, else the "text" field of
-    JSONL rows and Parquet rows), or rows holding the format's fields (alpaca, chat, preference; "jsonl": any
-    object). With `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the work is done."""
+    JSON and Parquet rows), or rows of the format (alpaca, chat, preference) in our form (`formats.canonical`;
+    "jsonl": any object, as it is). With `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the
+    work is done."""
     for path in data_files(spec):
         yield from file_items(path, data_format, deferred=deferred)
 
@@ -129,44 +172,63 @@ def parsed(item, data_format: str):
     """The item a deferred `Line` holds (checked as `items` checks it); any other item as it is."""
     if not isinstance(item, Line):
         return item
-    required = () if data_format == "text" else REQUIRED_FIELDS[data_format]
-    row = check_row(item.path, item.number, item.text, required)
-    return _document(item.path, item.number, row) if data_format == "text" else row
+    return row_item(_json_row(item.path, item.number, item.text), data_format, formats.where(item.path, item.number))
+
+
+def row_item(row: dict, data_format: str, at: str):
+    """A JSON or Parquet row as `data_format` reads it (named `at` in errors)."""
+    return row if data_format == "jsonl" else formats.canonical(row, data_format, at)
 
 
 def file_items(path: Path, data_format: str, *, deferred: bool = False) -> Iterator:
     """The items of one data file (see `items`)."""
-    required = ("text",) if data_format == "text" else REQUIRED_FIELDS[data_format]
     if kind(path) == "parquet":
-        yield from _parquet_items(path, data_format, required)
+        yield from _parquet_items(path, data_format)
         return
     if kind(path) == "text" and data_format == "text":
         for _, line in lines(path):
             if line.strip():
                 yield line.strip()
         return
-    for number, line in lines(path):  # JSONL (any suffix but .parquet holds JSONL rows in the row formats)
+    if is_array(path):  # a JSON array of rows (Stanford Alpaca's alpaca_data.json, LLaMA-Factory's files)
+        for number, line, row in json_elements(path):
+            yield row_item(row, data_format, formats.where(path, f"element {number} (line {line})"))
+        return
+    for number, line in lines(path):  # JSON lines (any suffix but .parquet holds them in the row formats)
         if line.strip():
             row = Line(str(path), number, line)
             yield row if deferred else parsed(row, data_format)
 
 
-def _document(path: Path | str, where: int | str, row: dict) -> str:
-    if "text" not in row:
-        raise ValueError(
-            f"{path}:{where}: a JSON object in a text source without a 'text' field; expected plain text (one "
-            "document per line) or rows with 'text', or the data format alpaca/chat/preference"
-        )
-    text = row["text"]
-    if not isinstance(text, str):
-        raise ValueError(f"{path}:{where}: 'text' must be a string, got {type(text).__name__}")
-    return text
+def _json_row(path: Path | str, number: int, line: str) -> dict:
+    """Line `number` of a JSONL file as an object."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        hint = "; expected one JSON object per line (JSONL) or a JSON array of objects" if number == 1 else ""
+        raise ValueError(f"{path}:{number}: invalid JSON ({err.msg}){hint}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
-def _parquet_items(path: Path, data_format: str, required: tuple[str, ...]) -> Iterator:
+def is_array(path: Path) -> bool:
+    """Whether a file's first non-blank character opens a JSON array."""
+    with open_bytes(path) as file:
+        return json_array.opens_array(file)
+
+
+def json_elements(path: Path) -> Iterator[tuple[int, int, dict]]:
+    """(element number, line, object) of a JSON array file (`json_array.elements`), decompressed as it is read."""
+    with open_bytes(path) as file:
+        yield from json_array.elements(file, str(path))
+
+
+def _parquet_items(path: Path, data_format: str) -> Iterator:
     import pyarrow.parquet as pq
 
     reader = pq.ParquetFile(path)
+    required = ("text",) if data_format == "text" else COLUMNS.get(data_format, ())
     missing = [field for field in required if field not in reader.schema_arrow.names]
     if missing:
         raise ValueError(
@@ -176,35 +238,11 @@ def _parquet_items(path: Path, data_format: str, required: tuple[str, ...]) -> I
     for batch in reader.iter_batches(batch_size=PARQUET_ROWS, columns=["text"] if data_format == "text" else None):
         for row in batch.to_pylist():
             number += 1
-            if data_format == "text":
-                if (text := _document(path, f"row {number}", row)).strip():
-                    yield text.strip()
-            else:
-                yield check_fields(path, f"row {number}", row, required)
-
-
-def check_row(path: Path | str, number: int, line: str, required: tuple[str, ...]) -> dict:
-    """Line `number` of a JSONL file as an object holding every `required` field."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{number}: invalid JSON ({err.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
-    return check_fields(path, number, row, required)
-
-
-def check_fields(path: Path | str, where: int | str, row: dict, required: tuple[str, ...]) -> dict:
-    """`row` (at line or row `where`), refused when a `required` field is missing, its messages are malformed, or
-    (a preference pair) it lacks its prompt or a response is not text."""
-    missing = [field for field in required if row.get(field) is None]
-    if missing:
-        raise ValueError(f"{path}:{where}: missing field(s) {', '.join(repr(m) for m in missing)}")
-    if "messages" in required:
-        _check_messages(path, where, row["messages"])
-    if "rejected" in required:
-        _check_pair(path, where, row)
-    return row
+            item = row_item(row, data_format, formats.where(path, f"row {number}"))
+            if data_format != "text":
+                yield item
+            elif item.strip():
+                yield item.strip()
 
 
 def response_text(value: object) -> str | None:
@@ -215,43 +253,3 @@ def response_text(value: object) -> str | None:
     if isinstance(value, dict) and value.get("role") == "assistant" and isinstance(value.get("content"), str):
         return value["content"]
     return None
-
-
-def _check_pair(path: Path | str, where: int | str, row: dict) -> None:
-    """Refuse a preference row without exactly one of a prompt string and a conversation, or with a response that is
-    neither a string nor an assistant message."""
-    prompt, messages = row.get("prompt"), row.get("messages")
-    if (prompt is None) == (messages is None):
-        found = "neither 'prompt' nor 'messages'" if prompt is None else "both 'prompt' and 'messages'"
-        raise ValueError(
-            f"{path}:{where}: {found}; expected one of them: 'prompt' (a string) or 'messages' (the conversation "
-            "before the responses)"
-        )
-    if prompt is not None and not isinstance(prompt, str):
-        raise ValueError(f"{path}:{where}: 'prompt' must be a string, got {type(prompt).__name__}")
-    if messages is not None:
-        _check_messages(path, where, messages)
-    for field in ("chosen", "rejected"):
-        if response_text(row[field]) is None:
-            raise ValueError(
-                f'{path}:{where}: {field!r} must be a string or {{"role": "assistant", "content": str}}, '
-                f"got {row[field]!r:.80}"
-            )
-
-
-def _check_messages(path: Path | str, where: int | str, messages: object) -> None:
-    if not _valid_messages(messages):
-        raise ValueError(
-            f'{path}:{where}: \'messages\' must be a non-empty list of {{"role": str, "content": str}} objects'
-        )
-
-
-def _valid_messages(messages: object) -> bool:
-    return (
-        isinstance(messages, list)
-        and bool(messages)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    )

@@ -1,33 +1,44 @@
 """Strict readers for user-supplied data paths (a file, a folder or a glob; see `inputs`): errors name the file and
-the line. `verify` and `held_out_count` stream; the `read_*` functions return lists, for the small files
-(evaluation and tokenizer sets) the stages that call them hold whole anyway."""
+the line. `verify`, `texts`, `held_out_count` and `split_count` stream; the `read_*` functions return lists, for the
+small files (evaluation sets) the callers hold whole anyway."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pipeline.data.inputs import data_files, file_items, items, kind
 
+NAMES = ("role", "from")  # fields that name a message's speaker: not text
+
 
 def texts(spec: Path | str) -> Iterator[str]:
-    """Plain texts of a data path: documents of text files, every string field (and message) of JSONL or Parquet
-    rows."""
+    """Plain texts of a data path: documents of text files, every string in JSON or Parquet rows (messages included,
+    their speakers' names not)."""
     for path in data_files(spec):
         if kind(path) == "text":
             yield from file_items(path, "text")
             continue
-        for row in file_items(path, "jsonl") if kind(path) == "jsonl" else _parquet_rows(path):
-            messages = row.get("messages") or []
-            yield from (m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
-            yield from (v for v in row.values() if isinstance(v, str) and v)
+        yield from item_texts(file_items(path, "jsonl"))
 
 
-def _parquet_rows(path: Path) -> Iterator[dict]:
-    import pyarrow.parquet as pq
+def item_texts(found: Iterable) -> Iterator[str]:
+    """The non-empty strings of documents and rows (nested ones included, speakers' names not)."""
+    for item in found:
+        yield from _strings(item)
 
-    for batch in pq.ParquetFile(path).iter_batches():
-        yield from batch.to_pylist()
+
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        if value:
+            yield value
+    elif isinstance(value, dict):
+        for key, inner in value.items():
+            if key not in NAMES:
+                yield from _strings(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            yield from _strings(inner)
 
 
 def stream(spec: Path | str, data_format: str) -> Iterator:
@@ -70,8 +81,9 @@ def held_out_count(count: int, fraction: float) -> int:
     return held
 
 
-def held_out(items: list, fraction: float) -> tuple[list, list]:
-    """(training part, held-out part) of a file's documents or rows: the last `fraction` of them is held out; how
-    one file serves as both when no held-out file is given."""
-    held = held_out_count(len(items), fraction)
-    return items[:-held], items[-held:]
+def split_count(spec: Path | str, data_format: str, fraction: float) -> int:
+    """How many leading items of a data path are trained on when its last `fraction` is held out (counted a line at a
+    time, with `verify`'s checks): the training part is `islice(items, n)`, the held-out part `islice(items, n,
+    None)`, how one file serves as both when no held-out file is given."""
+    count = verify(spec, data_format)
+    return count - held_out_count(count, fraction)

@@ -143,6 +143,33 @@ def light_tokenizer(folder: Path) -> LightTokenizer | None:
     return light if light.eos_token_id is not None else None
 
 
+def model_tokenizer(source: Path, memo: Path | None = None):
+    """The tokenizer of a model source: an HF folder's (the Rust tokenizer alone where it reads as transformers reads
+    it: no torch imported), or a .gguf file's (read from the file once, then from its copy in the folder `memo`, kept
+    with the file's path, size and time: the file's tokenizer takes seconds to read)."""
+    source = Path(source)
+    if source.is_dir():
+        light = light_tokenizer(source)
+        if light is not None and not light.backend_tokenizer.encode("a b", add_special_tokens=False).ids:
+            raise ValueError(f"{source}: tokenizer loads empty; expected {HF_TOKENIZER} with a vocabulary")
+        return light or load_tokenizer(source)
+    stat = source.stat()
+    key = f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    if memo is not None and (memo / MEMO_KEY).is_file() and (memo / MEMO_KEY).read_text(encoding="utf-8") == key:
+        return light_tokenizer(memo) or load_tokenizer(memo)
+    tokenizer = load_tokenizer(source.parent, gguf_file=source.name)
+    if memo is not None:
+        from pipeline.core.atomic import atomic_path
+
+        with atomic_path(memo) as tmp:
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / MEMO_KEY).write_text(key, encoding="utf-8")
+    return tokenizer
+
+
+MEMO_KEY = "source.txt"
+
+
 def vocabulary_size(folder: Path) -> int:
     """len(tokenizer) without loading it: the highest id in tokenizer.json (vocabulary and added tokens) + 1;
     folders with only a SentencePiece model are loaded."""
@@ -162,20 +189,26 @@ def save_tokenizer(tokenizer, dst: Path, source: Path) -> None:
         shutil.copy2(source / SP_MODEL, dst / SP_MODEL)
 
 
-def tokens_per_char(tokenizer, texts: list[str]) -> float:
-    """Tokens (no special tokens) per character over `texts`: the tokenizer's fertility."""
+def tokens_per_char(tokenizer, texts: list[str], *, batch: int = 1024) -> float:
+    """Tokens (no special tokens) per character over `texts`: the tokenizer's fertility (encoded `batch` texts at a
+    time, so that the encodings of one batch exist at once)."""
     chars = sum(len(t) for t in texts)
     if chars == 0:
         raise ValueError("tokens_per_char: no text to measure")
-    encodings = tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-    return sum(len(e.ids) for e in encodings) / chars
+    tokens = 0
+    for start in range(0, len(texts), batch):
+        encodings = tokenizer.backend_tokenizer.encode_batch_fast(
+            texts[start : start + batch], add_special_tokens=False
+        )
+        tokens += sum(len(e.ids) for e in encodings)
+    return tokens / chars
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def first_chars(texts: list[str], max_chars: int) -> list[str]:
+def first_chars(texts: Iterable[str], max_chars: int) -> list[str]:
     """The leading texts, `max_chars` characters in all (the last one cut short): what a vocabulary is learned on."""
     kept, budget = [], max_chars
     for text in texts:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.atomic import atomic_path, read_json
+from pipeline.data.eval_sets import EvalSet
 from pipeline.evaluation import preference, tasks
 
 
@@ -46,13 +47,24 @@ def proven(merged: Path) -> str | None:
     return f"merged (the merge proof passed: max |logit diff| {gap['max_abs_logit_diff']:.2g})"
 
 
+def pair_sets(
+    sets: dict[str, EvalSet], preference_sets: dict[str, Path], max_bytes: int | None
+) -> dict[str, tuple[Path, str, int | None]]:
+    """The sets scored as preference pairs, each with its config key and byte limit: those of eval.sets that hold
+    pairs (within eval.max_bytes, as their bits per byte) and every pair of eval.preference_sets."""
+    found = {
+        name: (s.path, f"eval.sets.{name}", max_bytes) for name, s in sets.items() if s.data_format == "preference"
+    }
+    return {**found, **{name: (path, f"eval.preference_sets.{name}", None) for name, path in preference_sets.items()}}
+
+
 def score_model(
     *,
     name: str,
     folder: Path,
     adapter: Path | None,
     tokenizer_dir: Path,
-    sets: dict[str, Path],
+    sets: dict[str, EvalSet],
     specs: list[tasks.TaskSpec],
     scoring: Scoring,
     preference_sets: dict[str, Path],
@@ -66,15 +78,21 @@ def score_model(
     tokenizer = load_tokenizer(tokenizer_dir)
     examples = {
         set_name: ev.load_examples(
-            tokenizer, path, template=s.template, max_bytes=s.max_bytes, context=s.context, key=f"eval.sets.{set_name}"
+            tokenizer,
+            found.path,
+            data_format=found.data_format,
+            template=s.template,
+            max_bytes=s.max_bytes,
+            context=s.context,
+            key=f"eval.sets.{set_name}",
         )
-        for set_name, path in sets.items()
+        for set_name, found in sets.items()
     }
     preference_pairs = {
         set_name: preference.load_pairs(
-            tokenizer, path, template=s.template, max_seq_len=s.max_seq_len, key=f"eval.preference_sets.{set_name}"
+            tokenizer, path, template=s.template, max_seq_len=s.max_seq_len, key=key, max_bytes=limit
         )
-        for set_name, path in preference_sets.items()
+        for set_name, (path, key, limit) in pair_sets(sets, preference_sets, s.max_bytes).items()
     }
     replicas = ev.load_replicas(folder, adapter, precision=s.precision)
     model = replicas[0]
@@ -106,7 +124,7 @@ def compare(
     base_tokenizer: Path,
     adapter: Path,
     merged: Path,
-    sets: dict[str, Path],
+    sets: dict[str, EvalSet],
     specs: list[tasks.TaskSpec],
     scoring: Scoring,
     preference_sets: dict[str, Path],
@@ -157,7 +175,7 @@ def compare(
             name: preference.figures(by_set[set_name], None if name == "base" else logps["base"][set_name])
             for name, by_set in logps.items()
         }
-        for set_name in preference_sets
+        for set_name in pair_sets(sets, preference_sets, scoring.max_bytes)
     }
     return results, task_results, samples, preferences
 

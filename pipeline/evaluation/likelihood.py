@@ -8,7 +8,9 @@ harness's disjoint windows). Bits per byte = total NLL / (ln 2 x UTF-8 bytes): c
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -16,8 +18,8 @@ import torch
 from pipeline.checkpoints import adapter
 from pipeline.data.encoding import encode
 from pipeline.data.examples import IGNORE_INDEX
+from pipeline.data.inputs import items, resolved_format
 from pipeline.data.templates import sft_segments
-from pipeline.data.textio import read_data, read_documents
 
 
 @dataclass(frozen=True)
@@ -52,27 +54,54 @@ def prefix_token(tokenizer) -> int:
 
 
 def text_examples(tokenizer, path: Path, max_bytes: int | None) -> list[Example]:
-    """Whole documents (one per non-blank line) while they fit in `max_bytes` (at least one)."""
-    documents, total = [], 0
-    for doc in read_documents(path):
+    """Whole documents of a text data path (one per non-blank line, or JSON rows' "text") while they fit in
+    `max_bytes` (at least one), read a document at a time."""
+    return _documents(tokenizer, _nonempty(items(path, "text"), path), max_bytes)
+
+
+def set_examples(
+    tokenizer, found: Iterable, *, data_format: str, template: str, max_bytes: int | None
+) -> list[Example]:
+    """A set's examples from its items (read no further than `max_bytes` of scored text, at least one example):
+    text documents scored whole; instruction rows (alpaca, chat) scored on their responses, the prompts being
+    context; preference pairs scored on the chosen response (the last reply), as `data.format` trains on them."""
+    if data_format == "text":
+        return _documents(tokenizer, found, max_bytes)
+    if data_format == "preference":
+        from pipeline.data.examples import pair_examples
+
+        chosen = (pair_examples([row])[0] for row in found)
+        return _rows(tokenizer, chosen, template=template, max_bytes=max_bytes, final_reply_only=True)
+    return _rows(tokenizer, found, template=template, max_bytes=max_bytes, final_reply_only=False)
+
+
+def _documents(tokenizer, documents: Iterable[str], max_bytes: int | None) -> list[Example]:
+    kept, total = [], 0
+    for doc in documents:
         size = len(doc.encode("utf-8"))
-        if documents and max_bytes is not None and total + size > max_bytes:
+        if kept and max_bytes is not None and total + size > max_bytes:
             break
-        documents.append(doc)
+        kept.append(doc)
         total += size
     prefix = prefix_token(tokenizer)
     return [
         Example([prefix, *ids], [False] + [True] * len(ids), len(doc.encode("utf-8")))
-        for doc, ids in zip(documents, encode(tokenizer, documents, add_special_tokens=False), strict=True)
+        for doc, ids in zip(kept, encode(tokenizer, kept, add_special_tokens=False), strict=True)
     ]
 
 
-def sft_examples(tokenizer, path: Path, *, template: str, max_bytes: int | None) -> list[Example]:
-    """Instruction rows: only the response tokens are scored (and their bytes counted)."""
+def _rows(
+    tokenizer, rows: Iterable[dict], *, template: str, max_bytes: int | None, final_reply_only: bool
+) -> list[Example]:
+    """Instruction rows: only the response tokens are scored (and their bytes counted); with `final_reply_only`,
+    only a conversation's last reply."""
     examples, total = [], 0
-    for row in read_data(path, "jsonl"):
+    for row in rows:
         ids, scored, nbytes = [], [], 0
-        for text, trained in sft_segments(tokenizer, row, template):
+        segments = sft_segments(tokenizer, row, template)
+        last = max((i for i, (_, trained) in enumerate(segments) if trained), default=-1) if final_reply_only else None
+        for i, (text, trained) in enumerate(segments):
+            trained = trained and (last is None or i == last)
             piece = encode(tokenizer, [text], add_special_tokens=False)[0]
             ids += piece
             scored += [trained] * len(piece)
@@ -82,6 +111,15 @@ def sft_examples(tokenizer, path: Path, *, template: str, max_bytes: int | None)
         examples.append(Example(ids, scored, nbytes))
         total += nbytes
     return examples
+
+
+def _nonempty(found: Iterable, path: Path | str) -> Iterator:
+    """`found`, refused (naming `path`) when it holds nothing."""
+    found = iter(found)
+    first = next(found, None)
+    if first is None:
+        raise ValueError(f"{path}: data file is empty")
+    return chain([first], found)
 
 
 def windows(example: Example, context: int, stride: int) -> list[tuple[list[int], list[int]]]:
@@ -276,18 +314,30 @@ def check_vocabulary(tokenizer, model, where: str) -> None:
 
 
 def load_examples(
-    tokenizer, path: Path, *, template: str, max_bytes: int | None, context: int, key: str
+    tokenizer,
+    path: Path,
+    *,
+    template: str,
+    max_bytes: int | None,
+    context: int,
+    key: str,
+    data_format: str = "auto",
 ) -> list[Example]:
-    """A set's examples: JSONL rows as instruction data (responses scored), anything else as text lines."""
-    path = Path(path)
-    if path.suffix == ".jsonl":
-        examples = sft_examples(tokenizer, path, template=template, max_bytes=max_bytes)
-    else:
-        examples = text_examples(tokenizer, path, max_bytes)
+    """A set's examples (`set_examples`), its items read as `data_format` (auto: as its first row shows; plain text
+    is text); a text set must fill one window."""
+    try:
+        data_format = resolved_format(data_format, path)
+        examples = set_examples(
+            tokenizer, _nonempty(items(path, data_format), path), data_format=data_format, template=template,
+            max_bytes=max_bytes,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{key}: {err}") from None
     scored = sum(sum(e.scored) for e in examples)
-    if sum(len(e.ids) for e in examples) < context or scored == 0:
+    short = data_format == "text" and sum(len(e.ids) for e in examples) < context
+    if short or scored == 0:
         raise ValueError(
-            f"{key}: {path} gives {sum(len(e.ids) for e in examples)} tokens ({scored} scored), shorter than one "
-            f"window (eval.context = {context}); expected more text"
+            f"{key}: {path} gives {sum(len(e.ids) for e in examples)} tokens ({scored} scored), "
+            + (f"shorter than one window (eval.context = {context}); expected more text" if short else "none scored")
         )
     return examples

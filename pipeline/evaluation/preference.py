@@ -11,17 +11,29 @@ import numpy as np
 import torch
 
 
-def load_pairs(tokenizer, path: Path, *, template: str, max_seq_len: int, key: str) -> list[dict]:
-    """The pairs of a preference JSONL file as training rows (`input_ids`, `labels`, `rejected_input_ids`,
-    `rejected_labels`), tokenized and cut as cache_dataset does; a bad line is refused with `key`, file and line."""
+def load_pairs(
+    tokenizer, path: Path, *, template: str, max_seq_len: int, key: str, max_bytes: int | None = None
+) -> list[dict]:
+    """The pairs of a preference data path (any form and container `data.format=preference` reads) as training rows
+    (`input_ids`, `labels`, `rejected_input_ids`, `rejected_labels`), tokenized and cut as cache_dataset does; with
+    `max_bytes`, the first pairs whose chosen responses fit in that many UTF-8 bytes (at least one). A bad row is
+    refused with `key`, file and line."""
     from pipeline.data.examples import preference_arrays
-    from pipeline.data.inputs import items
+    from pipeline.data.inputs import data_files, items
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{key}: {path} not found; expected a JSONL file of prompt/chosen/rejected rows")
-    arrays, _ = preference_arrays(
-        tokenizer, list(items(path, "preference")), template=template, max_seq_len=max_seq_len
-    )
+    try:
+        data_files(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{key}: {path} not found; expected preference pairs (docs/data.md)") from None
+    rows, total = [], 0
+    for row in items(path, "preference"):
+        total += len(row["chosen"].encode("utf-8"))
+        if rows and max_bytes is not None and total > max_bytes:
+            break
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{key}: {path}: data file is empty")
+    arrays, _ = preference_arrays(tokenizer, rows, template=template, max_seq_len=max_seq_len)
     bounds = np.cumsum(arrays["lengths"])[:-1]
     ids, labels = np.split(arrays["ids"], bounds), np.split(arrays["labels"], bounds)
     if not ids:

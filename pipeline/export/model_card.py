@@ -40,7 +40,7 @@ def _data(params: dict, dataset: dict) -> list[str]:
                 f"{share.get('planned_share', '')} | {share.get('realised_share', '')} |"
             )
     else:
-        lines = [f"`{data['train_file']}` ({data['format']})."]
+        lines = [f"`{data['train_file']}` ({dataset.get('format', data['format'])})."]
     return [*lines, "", *_table(dataset, DATASET_FIGURES)]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,6 @@ from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints import safetensors_stream
 from pipeline.checkpoints.adapter import MAGNITUDE, PREFIX, pattern_value
 from pipeline.checkpoints.model_files import FileTensor, model_tensors
-from pipeline.checkpoints.safetensors_stream import INDEX
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.precision import DTYPES, dtype_name
 from pipeline.data.tokenizer import BPE_FILES, find_tokenizer
@@ -32,7 +30,6 @@ from pipeline.merge.verify import TOLERANCES, logits_gap
 
 REPORT = "merge_report.json"
 NO_TOKENIZER = "no tokenizer in the base or adapter folder, and none given"
-SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
 
 
 @dataclass(frozen=True)
@@ -56,13 +53,6 @@ class Plan:
     extra: dict[str, str] = field(default_factory=dict)  # output key -> base key it starts from (an untied head)
     notes: list[str] = field(default_factory=list)
     vocab_rows: int = 0
-
-
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)\s*", text.upper())
-    if match is None:
-        raise ValueError(f"merge.max_shard_size: {text!r}; expected a size such as 2GB or 500MB")
-    return int(float(match[1]) * SIZE_UNITS[match[2]])
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
@@ -206,31 +196,11 @@ def _merged_tensor(key: str, base: FileTensor, plan: Plan) -> torch.Tensor:
     return merged_weight(value, plan.deltas[key]) if key in plan.deltas else value
 
 
-def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    """Output shards in base order, each at most max_bytes (a tensor larger than that gets a shard alone)."""
-    shards, current, size = [], [], 0
-    for key in keys:
-        if current and size + sizes[key] > max_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += sizes[key]
-    return [*shards, current] if current else shards
-
-
 def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: str, max_bytes: int) -> int:
     """Stream every base tensor through the plan into `out`'s shards, one tensor in memory at a time."""
     kind = DTYPES[dtype]
     sources = {**base, **{key: base[source] for key, source in plan.extra.items() if key not in base}}
     shapes = {key: tuple((plan.replacements.get(key) or src).shape) for key, src in sources.items()}
-    sizes = {key: math.prod(shape) * torch.empty((), dtype=kind).element_size() for key, shape in shapes.items()}
-    layout = _layout(list(sources), sizes, max_bytes)
-    count = len(layout)
-    names = (
-        [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-        if count > 1
-        else ["model.safetensors"]
-    )
 
     def produce(key: str) -> torch.Tensor:
         value = _merged_tensor(key, sources[key], plan)
@@ -238,13 +208,8 @@ def write_merged(*, out: Path, base: dict[str, FileTensor], plan: Plan, dtype: s
             raise ValueError(f"merged tensor {key} holds NaN or Inf")
         return value.to(kind)
 
-    for name, shard in zip(names, layout, strict=True):
-        safetensors_stream.write(out / name, [(key, shapes[key], kind) for key in shard], produce)
-    if count > 1:
-        weight_map = {key: name for name, shard in zip(names, layout, strict=True) for key in shard}
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        (out / INDEX).write_text(json.dumps(index, indent=2), encoding="utf-8")
-    return count
+    entries = [(key, shapes[key], kind) for key in sources]
+    return safetensors_stream.write_shards(out, entries, produce, max_bytes=max_bytes)
 
 
 EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight")
@@ -331,7 +296,7 @@ def merge(
         raise ValueError(f"merge.dtype: {dtype!r}; expected one of {sorted(TOLERANCES)}")
     if not base_dir.is_dir():
         raise FileNotFoundError(f"{base_dir}: no such base model folder")
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = safetensors_stream.parse_size(max_shard_size, "merge.max_shard_size")
     config, adapter = read_adapter(adapter_dir)
     base, base_config = model_tensors(base_dir), read_json(base_dir / "config.json")
     embed, head, tied = _embedding_names(base_dir, base_config, base)

@@ -21,21 +21,22 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
     """Write `out_dir` (model + tokenizer) and `tokenizer_dir` (tokenizer only); return a short summary."""
     if not source.exists():
         raise FileNotFoundError(f"model.path: {source} does not exist; expected a .gguf file or an HF model folder")
-    if source.suffix == ".gguf":
-        model, tokenizer = _load_gguf(source)
-    elif (source / "config.json").is_file():
-        if reason := custom_code(source):
-            raise ValueError(reason)
-        model, tokenizer = None, load_tokenizer(source)
-    else:
+    if source.suffix != ".gguf" and not (source / "config.json").is_file():
         raise ValueError(f"model.path: {source} is neither a .gguf file nor a folder with config.json")
+    if source.suffix != ".gguf" and (reason := custom_code(source)):
+        raise ValueError(reason)
 
     with atomic_path(out_dir) as tmp:
-        if model is None:
+        if source.suffix != ".gguf":
             _link_hf_folder(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
-        else:
+        elif not convert_gguf(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size):
+            model = _load_gguf(source)  # an architecture whose tensors transformers merges or splits (MoE)
             model.to(DTYPES[dtype]).save_pretrained(tmp, max_shard_size=max_shard_size)
-            _check_roundtrip(model, tmp)
+            expected = _probe(model)
+            del model  # the reloaded copy need not sit beside it: one model in memory at a time
+            _check_roundtrip(expected, tmp, DTYPES[dtype])
+        gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
+        tokenizer = load_tokenizer(source.parent if gguf else source, **gguf)  # after the weights: one at a time
         save_tokenizer(tokenizer, tmp, source)
         config = _plain_config(tmp)
         outline.write(tmp)
@@ -87,8 +88,73 @@ def _load_gguf(path: Path):
     if config.tie_word_embeddings:
         plain.tie_weights()
     plain.generation_config = gguf_model.generation_config
-    tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
-    return plain.eval(), tokenizer
+    return plain.eval()
+
+
+STREAMED = ("TensorProcessor", "LlamaTensorProcessor")  # transformers' GGUF processors that map tensors one to one
+GGUF_ROWS = 4096  # rows of a tensor de-quantized at a time
+
+
+def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_size: str) -> bool:
+    """De-quantize a GGUF file into the new HF folder `out_dir` a tensor at a time, each named, reordered (LLaMA's
+    Q/K) and de-quantized as transformers' own GGUF loader does it (its name map, tensor processor and gguf's
+    de-quantization) and written as it is made: memory holds one tensor, never the model. False, with nothing
+    written, for architectures whose tensors transformers merges or splits (its other processors: MoE)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        read_field,
+    )
+
+    from pipeline.checkpoints.safetensors_stream import parse_size, write_shards
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # before the reader: one at a time
+    reader = GGUFReader(path)
+    processor_class = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
+    if processor_class.__name__ not in STREAMED:
+        return False
+    reader.fields.clear()  # the metadata (a vocabulary's tokens as arrays: 200 MB); the tensors are read from here
+    processor = processor_class(config=config.to_dict())  # the head counts it reorders Q and K by
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    found = {names[t.name]: t for t in reader.tensors if t.name in names}
+    wanted = {key: tuple(value.shape) for key, value in skeleton.state_dict().items()}
+    tied = {key for key in wanted if key not in found and _tied(skeleton, key)}
+    missing = sorted(set(wanted) - set(found) - tied)
+    if missing:
+        raise ValueError(f"model.path: {path} holds no tensor for {missing[:4]} ({len(missing)} in all)")
+
+    def produce(key: str) -> torch.Tensor:
+        tensor = found[key]
+        weights = np.empty(wanted[key], dtype=np.float32)  # filled a block of rows at a time: no whole temporaries
+        for start in range(0, len(weights), GGUF_ROWS):
+            weights[start : start + GGUF_ROWS] = dequantize(tensor.data[start : start + GGUF_ROWS], tensor.tensor_type)
+        weights = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names).weights
+        return torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
+
+    entries = [(key, wanted[key], dtype) for key in wanted if key not in tied]
+    out_dir.mkdir(parents=True)
+    write_shards(out_dir, entries, produce, max_bytes=parse_size(max_shard_size, "model.max_shard_size"))
+    config.architectures = [type(skeleton).__name__]
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    return True
+
+
+def _tied(model, key: str) -> bool:
+    """Whether `key` is the output head tied to the input embeddings (written once, under the embeddings' name)."""
+    head = model.get_output_embeddings()
+    return bool(model.config.tie_word_embeddings) and head is not None and key == f"{_name_of(model, head)}.weight"
+
+
+def _name_of(model, module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
 
 
 def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_size: str) -> None:
@@ -107,14 +173,21 @@ def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_si
             shutil.copy2(path, dst / path.name)
 
 
-def _check_roundtrip(model, folder: Path) -> None:
-    """The saved folder must compute what the in-memory model computes."""
+PROBE = torch.arange(1, 17).unsqueeze(0)  # the tokens the roundtrip check runs
+
+
+def _probe(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(PROBE).logits
+
+
+def _check_roundtrip(expected: torch.Tensor, folder: Path, dtype: torch.dtype) -> None:
+    """The saved folder, loaded in `dtype`, must compute what the in-memory model computed (`expected`: its logits
+    on PROBE)."""
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype).eval()
-    ids = torch.arange(1, 17).unsqueeze(0)
-    with torch.inference_mode():
-        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    torch.testing.assert_close(_probe(reloaded), expected, rtol=0, atol=0)
 
 
 def _plain_config(folder: Path):

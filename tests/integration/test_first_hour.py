@@ -59,8 +59,8 @@ def test_own_text_file_in_one_step(repo, own_run):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     assert params["data"]["train_file"] == params["data"]["heldout_file"] == params["tokenizer"]["train_file"]
     documents = (repo / "user/notes.txt").read_text(encoding="utf-8").splitlines()
-    held = (repo / "artifacts/eval_sets/in_domain/notes.txt").read_text(encoding="utf-8").splitlines()
-    assert held == documents[-8:], "the last 5% of the documents are the in-domain set"
+    held = (repo / "artifacts/eval_sets/in_domain/items.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["text"] for line in held] == documents[-8:], "the last 5%: the in-domain set"
     evaluation = read_json(repo / "metrics/eval.json")
     assert set(evaluation) == {"in_domain", "en_wiki", "variant"} and evaluation["in_domain"]["adapter"]["bytes"] > 0
     assert read_json(repo / "metrics/dataset.json")["documents"] == 152, "the held-out documents are not trained on"
@@ -74,7 +74,7 @@ def test_own_instruction_file_in_one_step(repo, own_run):
         sh(["dvc", "exp", "run", "cache_dataset", "eval_set@in_domain", *OWN, *jsonl], repo)
         stats = read_json(repo / "metrics/dataset.json")
         assert stats["examples"] == 57 and stats["masked_fraction"] > 0.5, stats  # 3 of 60 rows held out
-        held = (repo / "artifacts/eval_sets/in_domain/instructions.jsonl").read_text(encoding="utf-8").splitlines()
+        held = (repo / "artifacts/eval_sets/in_domain/items.jsonl").read_text(encoding="utf-8").splitlines()
         assert [json.loads(line)["output"] for line in held] == [r[:12] for r in _documents(repo)[57:60]]
     finally:
         sh(["git", "checkout", "--", "."], repo)

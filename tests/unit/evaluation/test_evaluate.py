@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 
 from pipeline.core import config
 from pipeline.core.atomic import read_json
+from pipeline.data.eval_sets import write_set
+from pipeline.data.inputs import detected_format, items
 from pipeline.data.tokenizer import load_tokenizer
 from pipeline.evaluation.likelihood import Example, Score, check_vocabulary, load_examples, score, windows
 from tests.conftest import REPO
@@ -111,10 +113,11 @@ def _stage_args(root: Path, base: Path, sets: dict, out: Path) -> tuple[argparse
     raw["eval"]["sets"] = sets
     raw["eval"]["max_new_tokens"] = 4
     (out / "params.yaml").write_text(yaml.safe_dump(raw))
-    for name, path in sets.items():  # as the eval_set stages copy them
-        (out / "sets" / name).mkdir(parents=True, exist_ok=True)
-        if Path(path).is_file():
-            shutil.copy(path, out / "sets" / name / Path(path).name)
+    for name, path in sets.items():  # as the eval_set stages write them (an empty file: none, eval_set refuses it)
+        if Path(path).is_file() and Path(path).stat().st_size:
+            shutil.rmtree(out / "sets" / name, ignore_errors=True)
+            read_as = detected_format(path)
+            write_set(out / "sets" / name, items(path, read_as), data_format=read_as, source=path, held_out=False)
     args = argparse.Namespace(
         base=base,
         base_tokenizer=base,
@@ -168,7 +171,7 @@ def test_stage_bad_set_writes_no_metrics(trained, tiny_base_dir, tmp_path):
     from stages import evaluate as stage
 
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match="empty.txt"):
+    with pytest.raises(FileNotFoundError, match="sets/in_domain: no set.json; expected a set written by the eval_set"):
         stage.main(*_stage_args(trained, tiny_base_dir, {"in_domain": str(tmp_path / "empty.txt")}, tmp_path))
     with pytest.raises(FileNotFoundError, match="missing model folder"):
         args, cfg = _stage_args(trained, tiny_base_dir, {"in_domain": str(trained / "in_domain.txt")}, tmp_path)

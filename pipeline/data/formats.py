@@ -1,0 +1,251 @@
+"""The row formats users bring, each read into the one form the builders take (docs/data.md shows a row of each):
+
+- text: a document (a line of a text file, or a row's "text");
+- alpaca: {instruction, input?, output} (Stanford Alpaca);
+- chat: {messages: [{role, content}, ...]} (OpenAI), or ShareGPT's {conversations: [{from, value}, ...], system?}
+  (human/gpt/system, as LLaMA-Factory reads it), read as messages;
+- preference: a prompt (a string, or the conversation before the responses as `messages`) with a chosen and a rejected
+  response (strings or assistant messages); also TRL's conversational rows (prompt, chosen and rejected as message
+  lists), its implicit-prompt rows (chosen and rejected only: their shared beginning is the prompt), LLaMA-Factory's
+  ShareGPT pairs (conversations, chosen/rejected {from, value}) and its Alpaca pairs (instruction, input?).
+
+`canonical` checks a row of a format and returns it in our form (a row already in it, as it is); `detect` names the
+format a row's fields show (`data.format: auto`), refusing a row that fits none or several."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FORMATS = ("text", "alpaca", "chat", "preference")
+SIGNATURES = (  # the fields that name a format (preference: chosen and rejected, whatever else a row has)
+    ("chat", ("messages",)),
+    ("chat", ("conversations",)),
+    ("alpaca", ("instruction", "output")),
+    ("text", ("text",)),
+)
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+EXPECTED = {
+    "text": "'text' (a string)",
+    "alpaca": "'instruction' and 'output' (strings; 'input' optional)",
+    "chat": "'messages' ([{role, content}, ...]) or ShareGPT's 'conversations' ([{from, value}, ...])",
+    "preference": "'chosen' and 'rejected' (with a 'prompt', 'messages' or 'conversations', or sharing their start)",
+}
+
+
+def where(path: Path | str, place: int | str) -> str:
+    """How an error names a row: `FILE:LINE`, `FILE:row N` (Parquet), `FILE:element N (line L)` (a JSON array)."""
+    return f"{path}:{place}"
+
+
+def detect(row: dict, at: str) -> str:
+    """The format `row`'s fields show: preference where it has chosen and rejected, else the one of chat, alpaca and
+    text whose fields it has; refused (naming the row and the fields of each format) where none or several fit."""
+    if "chosen" in row and "rejected" in row:
+        return "preference"
+    fits = [name for name, fields in SIGNATURES if all(field in row for field in fields)]
+    fits = list(dict.fromkeys(fits))
+    if len(fits) == 1:
+        return fits[0]
+    expected = "; ".join(f"{name}: {fields}" for name, fields in EXPECTED.items())
+    if not fits:
+        raise ValueError(
+            f"{at}: data.format=auto cannot tell the format of a row with field(s) {sorted(row)}; expected the "
+            f"fields of one format ({expected}), or set data.format"
+        )
+    raise ValueError(
+        f"{at}: data.format=auto finds a row that fits {' and '.join(fits)} (fields {sorted(row)}); "
+        f"set data.format to the one meant ({', '.join(fits)})"
+    )
+
+
+def canonical(row: dict, data_format: str, at: str) -> dict | str:
+    """`row` (named `at` in errors) read as `data_format`: a text document, or the row in our form, refused where it
+    lacks the format's fields or holds them malformed."""
+    if data_format == "text":
+        return _document(row, at)
+    if data_format == "alpaca":
+        return _alpaca(row, at)
+    if data_format == "chat":
+        return _chat(row, at)
+    if data_format == "preference":
+        return _pair(row, at)
+    raise ValueError(f"data.format: expected one of {', '.join(FORMATS)} or auto, got {data_format!r}")
+
+
+def _missing(row: dict, fields: tuple[str, ...], data_format: str, at: str) -> None:
+    missing = [field for field in fields if row.get(field) is None]
+    if missing:
+        raise ValueError(
+            f"{at}: missing field(s) {', '.join(repr(m) for m in missing)}; data.format={data_format} expects "
+            f"{EXPECTED[data_format]} (fields here: {sorted(row)})"
+        )
+
+
+def _string(row: dict, field: str, at: str) -> str:
+    value = row[field]
+    if not isinstance(value, str):
+        raise ValueError(f"{at}: {field!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _document(row: dict, at: str) -> str:
+    if "text" not in row:
+        raise ValueError(
+            f"{at}: a JSON object in a text source without a 'text' field; expected plain text (one document per "
+            "line) or rows with 'text', or the data format alpaca/chat/preference (or auto)"
+        )
+    return _string(row, "text", at)
+
+
+def _alpaca(row: dict, at: str) -> dict:
+    _missing(row, ("instruction", "output"), "alpaca", at)
+    _string(row, "instruction", at)
+    _string(row, "output", at)
+    if row.get("input") is not None:
+        _string(row, "input", at)
+    return row
+
+
+def _chat(row: dict, at: str) -> dict:
+    if row.get("messages") is None and row.get("conversations") is None:
+        _missing(row, ("messages",), "chat", at)
+    if row.get("messages") is not None and row.get("conversations") is not None:
+        raise ValueError(f"{at}: both 'messages' and 'conversations'; expected one of them")
+    if row.get("messages") is not None and _plain(row["messages"]) and row.get("system") is None:
+        return row
+    return {"messages": _conversation(row, at)}
+
+
+def _plain(messages: object) -> bool:
+    """Whether `messages` is already ours: a non-empty list of {role: str, content: str}."""
+    return isinstance(messages, list) and bool(messages) and all(_is_message(m) for m in messages)
+
+
+def _is_message(turn: object) -> bool:
+    return isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
+
+
+def _conversation(row: dict, at: str, field: str | None = None) -> list[dict]:
+    """A row's messages (`messages`, `conversations` or `field`) as [{role, content}], ShareGPT's {from, value}
+    turns and roles read as ours, a `system` string put first."""
+    field = field or ("messages" if row.get("messages") is not None else "conversations")
+    turns = row[field]
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{at}: {field!r} must be a non-empty list of messages, got {turns!r:.80}")
+    messages = [_message(turn, field, at) for turn in turns]
+    system = row.get("system")
+    if system is not None and field != "prompt":
+        if not isinstance(system, str):
+            raise ValueError(f"{at}: 'system' must be a string, got {type(system).__name__}")
+        messages = [{"role": "system", "content": system}, *messages] if system else messages
+    return messages
+
+
+def _message(turn: object, field: str, at: str) -> dict:
+    """One turn: {role, content} as it is (any role the chat template knows), or ShareGPT's {from, value}."""
+    if _is_message(turn):
+        return {"role": turn["role"], "content": turn["content"]}
+    if isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str):
+        if turn["from"] not in ROLES:
+            raise ValueError(
+                f"{at}: {field!r} has a turn from {turn['from']!r}; expected one of {', '.join(ROLES)} (tool turns, "
+                "function_call/observation, are not trained here)"
+            )
+        return {"role": ROLES[turn["from"]], "content": turn["value"]}
+    raise ValueError(
+        f'{at}: {field!r} must be a non-empty list of {{"role": str, "content": str}} (or ShareGPT\'s '
+        f'{{"from": str, "value": str}}) objects, got {turn!r:.80}'
+    )
+
+
+def _pair(row: dict, at: str) -> dict:
+    """A preference row as {prompt: str | messages: [...], chosen: str, rejected: str}."""
+    _missing(row, ("chosen", "rejected"), "preference", at)
+    prompt, conversation = row.get("prompt"), row.get("messages", row.get("conversations"))
+    if prompt is None and conversation is None and isinstance(row.get("instruction"), str):  # LLaMA-Factory's Alpaca
+        prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
+    if prompt is not None and conversation is not None:
+        field = "messages" if "messages" in row else "conversations"
+        raise ValueError(
+            f"{at}: both 'prompt' and {field!r}; expected one of them: 'prompt' (a string or a message list) or "
+            f"{field!r} (the conversation before the responses)"
+        )
+    if isinstance(prompt, list):  # TRL's conversational rows: the prompt is the conversation
+        return _responses({"messages": _conversation(row, at, "prompt")}, row, at)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise ValueError(f"{at}: 'prompt' must be a string or a message list, got {type(prompt).__name__}")
+        return (
+            row
+            if isinstance(row["chosen"], str) and isinstance(row["rejected"], str)
+            else _responses({"prompt": prompt}, row, at)
+        )
+    if conversation is not None:
+        return _responses({"messages": _conversation(row, at)}, row, at)
+    return _implicit(row, at)
+
+
+def _responses(pair: dict, row: dict, at: str) -> dict:
+    return {**pair, "chosen": _response(row, "chosen", at), "rejected": _response(row, "rejected", at)}
+
+
+def _response(row: dict, field: str, at: str) -> str:
+    """A response: a string, an assistant message ({role, content} or {from: gpt, value}), or a list of one."""
+    value = row[field]
+    if isinstance(value, str):
+        return value
+    turns = value if isinstance(value, list) else [value]
+    if len(turns) == 1 and isinstance(turns[0], dict):
+        turn = _message(turns[0], field, at)
+        if turn["role"] == "assistant":
+            return turn["content"]
+    raise ValueError(
+        f'{at}: {field!r} must be a string or one assistant message ({{"role": "assistant", "content": str}}, '
+        f"or a list of one), got {value!r:.80}"
+    )
+
+
+def _implicit(row: dict, at: str) -> dict:
+    """TRL's implicit prompt: chosen and rejected are whole texts (or conversations) and the prompt is their shared
+    beginning; each side's remainder is its response (a conversation's: one assistant message)."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        chosen, rejected = (_conversation(row, at, side) for side in ("chosen", "rejected"))
+        shared = _shared(chosen, rejected)
+        if shared == 0:
+            raise ValueError(
+                f"{at}: 'chosen' and 'rejected' share no first message and there is no 'prompt'; expected a 'prompt' "
+                "(or 'messages'), or two conversations that begin with the same prompt (TRL's implicit prompt)"
+            )
+        sides = {"chosen": chosen[shared:], "rejected": rejected[shared:]}
+        return _responses({"messages": chosen[:shared]}, sides, at)
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        shared = _shared(chosen, rejected)
+        if shared > 0 and chosen[shared - 1] == " ":  # as TRL: the space before the responses starts them
+            shared -= 1
+        if shared == 0:
+            raise ValueError(
+                f"{at}: neither 'prompt' nor 'messages', and 'chosen' and 'rejected' share no beginning to take as "
+                "the prompt; expected a 'prompt' (a string or message list) or 'messages' with the responses"
+            )
+        return {"prompt": chosen[:shared], "chosen": chosen[shared:], "rejected": rejected[shared:]}
+    raise ValueError(
+        f"{at}: without a 'prompt', 'chosen' and 'rejected' must be two strings or two message lists (TRL's implicit "
+        f"prompt), got {type(chosen).__name__} and {type(rejected).__name__}"
+    )
+
+
+def _shared(a, b) -> int:
+    """How many leading items (characters, messages) `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def template_for(data_format: str, prompt_template: str) -> str:
+    """The prompt template rows are rendered with: the tokenizer's chat template for chat data (data.format=chat
+    brings it), data.prompt_template for the others."""
+    return "chat" if data_format == "chat" else prompt_template

