@@ -37,6 +37,8 @@ def stale(root: Path = REPO) -> list[str]:
             for dep in stage.deps:
                 if isinstance(dep, ParamsDependency):
                     changed = dep.status().get(str(dep), {})
+                    if isinstance(changed, str):  # no params recorded at all ("new"), or the file gone ("deleted")
+                        changed = dict.fromkeys(dep.params or [str(dep)], changed)
                     found += [f"{stage.name}: params {key} {state}" for key, state in sorted(changed.items())]
                     continue
                 path = str(Path(dep.fs_path).relative_to(root))

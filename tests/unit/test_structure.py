@@ -94,7 +94,8 @@ def test_dvc_lock_records_the_code_and_params_each_stage_runs_now():
 
 
 def test_the_lock_check_sees_changed_code_and_params(tmp_path):
-    """A copy of the project's pipeline definition and code, where one train module and one train param changed."""
+    """A copy of the project's pipeline definition and code, where one train module and one train param changed, and
+    prepare_base's params were never recorded (a stage given params since the last `make run`)."""
     for name in ("dvc.yaml", "dvc.lock", "params.yaml", ".dvc/config", "requirements-assets.txt"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes((REPO / name).read_bytes())
@@ -107,6 +108,10 @@ def test_the_lock_check_sees_changed_code_and_params(tmp_path):
     params = yaml.safe_load((tmp_path / "params.yaml").read_text())
     params["train"]["lr"] *= 2
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    lock = yaml.safe_load((tmp_path / "dvc.lock").read_text())
+    del lock["stages"]["prepare_base"]["params"]
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
     found = set(lock_check.stale(tmp_path)) - before
     assert "train: pipeline/training/schedule.py differs from dvc.lock" in " ".join(sorted(found)), found
     assert "train: params train modified" in found, found
+    assert "prepare_base: params model new" in found, found
