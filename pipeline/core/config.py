@@ -134,6 +134,7 @@ class DeepSpeedConfig(Section):
     overlap_comm: bool
     contiguous_gradients: bool
     hpz_partition_size: int = PositiveInt
+    leaf_layers: bool | Literal["auto"]
 
     @model_validator(mode="after")
     def _offload(self) -> DeepSpeedConfig:
@@ -160,6 +161,7 @@ class TrainConfig(Section):
     gradient_checkpointing: bool | Literal["auto"]
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
+    kernels_skip: list[str]
     resize_embeddings: bool
     objective: Literal["lm", "dpo", "orpo", "simpo"]
     beta: float = Field(gt=0.0)

@@ -29,13 +29,20 @@ class History:
 
 
 def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch's tensors on `device`; to a GPU from pinned memory without waiting (the host goes on queueing)."""
+    if torch.device(device).type != "cuda":
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
-def _all_reduce_sum(values: list[float], device) -> list[float]:
+def _all_reduce_sum(values: list, device) -> list[float]:
+    """Each value (a number, or a 0-dim tensor still on the device) summed over the ranks: one all-reduce, one read
+    back to the host."""
     import deepspeed.comm as dist
 
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     dist.all_reduce(tensor)
     return tensor.tolist()
 
@@ -183,7 +190,7 @@ def train(
         for step in range(start, schedule.max_steps):
             tick = time.perf_counter()
             batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)
-            loss_sum, step_tokens, lr = 0.0, 0, engine.get_lr()[0]
+            loss_sum, step_tokens, lr = torch.zeros((), device=engine.device), 0, engine.get_lr()[0]
             sums = dict.fromkeys(STATS if objective.kind != "lm" else (), 0.0)
             for index in range(accumulation):
                 indices = micro_batch(batch_rows, rank=rank, world_size=world, micro=micro, index=index)
@@ -194,7 +201,7 @@ def train(
                 )
                 engine.backward(loss)
                 engine.step()
-                loss_sum += float(loss.detach().float())
+                loss_sum += loss.detach().float()  # on the device: read once a step, with the other figures
                 step_tokens += row_tokens
                 sums.update({k: sums[k] + stats[k] for k in sums})
             loss_total, tokens_total, *summed = _all_reduce_sum(

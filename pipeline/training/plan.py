@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import kernels
 from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
@@ -37,6 +38,7 @@ UNTRACKED_TRAIN_KEYS = (
     "gradient_accumulation_steps",
     "gradient_checkpointing",
     "kernels",
+    "kernels_skip",
     "attention",
     "init_adapter",
 )  # fmt: skip  (init_adapter: its tensors' digest is tracked instead of its path)
@@ -92,6 +94,9 @@ class Plan:
     optimizer: Optimizer
     tracking: Tracking
     kernels: str
+    kernels_skip: list[str]  # train.kernels_skip: paths left out
+    checkpointing: str  # how launch.gradient_checkpointing was decided (auto: from the memory estimate)
+    leaf_layers: bool  # ZeRO-3 gathers each decoder layer whole (deepspeed.leaf_layers)
     zero_stage: int
     ds_config: dict
     run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
@@ -192,28 +197,44 @@ def make(
     """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
-    ds_config = dsc.build(
-        zero=dsc.ZeroSettings(**deepspeed.model_dump()),
-        precision=launch.precision,
-        micro=train.micro_batch_size,
-        accumulation=launch.gradient_accumulation_steps,
-        world_size=launch.world_size,
-        lr=train.lr,
-        weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm,
-        global_batch=launch.global_batch_size,
-        accelerator=launch.accelerator,
+
+    def built(leaf: dsc.LayerSizes | None = None) -> dict:
+        return dsc.build(
+            zero=dsc.ZeroSettings(**deepspeed.model_dump()),
+            precision=launch.precision,
+            micro=train.micro_batch_size,
+            accumulation=launch.gradient_accumulation_steps,
+            world_size=launch.world_size,
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm,
+            global_batch=launch.global_batch_size,
+            accelerator=launch.accelerator,
+            leaf=leaf,
+        )
+
+    ds_config = built()
+    skip = tuple(train.kernels_skip)  # checked here, before any launch
+    kernels.chosen(device=launch.accelerator, zero_stage=deepspeed.stage, enabled=train.kernels, skip=skip)
+    model, setting = memory_estimate.planned(
+        paths=paths, state=state, deepspeed=deepspeed, launch=launch, micro=train.micro_batch_size, ds_config=ds_config
     )
+    leaf = dsc.leaf_layers(deepspeed.leaf_layers, stage=deepspeed.stage, accelerator=launch.accelerator)
+    if leaf:
+        ds_config = built(dsc.LayerSizes(largest_trained=model.largest_lora, layer=model.layer))
+        setting = dataclasses.replace(setting, leaf_layers=True)
+    device = memory_estimate.gpu_memory() if launch.accelerator == "cuda" else None
+    checkpointing = f"train.gradient_checkpointing: {str(launch.gradient_checkpointing).lower()}"
+    if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
+        chosen, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
+        launch = dataclasses.replace(launch, gradient_checkpointing=chosen)
+        setting = dataclasses.replace(setting, checkpointing=chosen)
+        state = {**state, "launch": {**state["launch"], "gradient_checkpointing": chosen}}
     estimate = memory_estimate.check_plan(
-        paths=paths,
-        state=state,
-        lora=lora,
-        deepspeed=deepspeed,
-        launch=launch,
-        micro=train.micro_batch_size,
-        ds_config=ds_config,
+        model, setting, quantized=lora.quantization != "none", device_bytes=device, ranks_per_node=launch.ranks_per_node
     )
     print(f"train: about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
+    print(f"train: activation checkpointing {checkpointing}")
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})
@@ -236,6 +257,9 @@ def make(
         optimizer=Optimizer(lr=train.lr, weight_decay=train.weight_decay, lr_ratio=lora.lr_ratio),
         tracking=Tracking(uri=tracking.uri, experiment=tracking.experiment, tensorboard=tracking.tensorboard),
         kernels=train.kernels,
+        kernels_skip=list(train.kernels_skip),
+        checkpointing=checkpointing,
+        leaf_layers=leaf,
         zero_stage=deepspeed.stage,
         ds_config=ds_config,
         run_state=state,

@@ -47,7 +47,16 @@ def build_engine(plan: Plan):
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
         attention=launch.attention,
     )
-    installed = kernels.apply(model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels)
+    skip = tuple(plan.kernels_skip)
+    installed = kernels.apply(
+        model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
+    )
+    if plan.leaf_layers:  # ZeRO-3's hooks on each decoder layer, not on each of its modules
+        from deepspeed.utils import set_z3_leaf_modules
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = {type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
+        set_z3_leaf_modules(model, list(layers))
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -56,6 +65,7 @@ def build_engine(plan: Plan):
         config=plan.ds_config,
         lr_scheduler=lr_scheduler_factory(plan.schedule),
     )
+    installed |= kernels.tune_engine(engine, enabled=plan.kernels, skip=skip)
     return engine, installed
 
 
@@ -123,7 +133,9 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             "world_size": world,
             "zero_stage": plan.zero_stage,
             "precision": plan.launch.precision,
+            "gradient_checkpointing": plan.checkpointing,
             "mfu": mfu,
+            **compiled_graphs(load.get("kernels", {})),
         }
 
     def finish(metrics: dict) -> None:
@@ -139,6 +151,16 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
         print(f"train: {json.dumps(metrics)}", flush=True)
 
     return Reporting(log=log, progress=progress, describe=describe), finish
+
+
+def compiled_graphs(installed: dict[str, int]) -> dict[str, int]:
+    """With the compiled layers installed, the graphs torch.compile made (the first step's, then one per new
+    shape: no more after warm-up on packed blocks)."""
+    if not installed.get("compiled_layers"):
+        return {}
+    from pipeline.kernels.compiled_layers import graphs
+
+    return {"compiled_graphs": graphs()}
 
 
 def _rounded(value):
