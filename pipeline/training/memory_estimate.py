@@ -52,6 +52,7 @@ class Setting:
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
     leaf_layers: bool = False  # ZeRO-3: LoRA's tensors whole on every rank
+    checkpointed: int | None = None  # with checkpointing, the layers recomputed (None: all)
 
 
 def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
@@ -89,11 +90,12 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     """Bytes a rank needs on its device ("device") and, on a GPU node, in host memory ("host"; on CPU ranks both are
     the same memory, counted under "device"): docs/scaling.md's terms."""
     s, b, w = setting, setting.dtype_bytes, setting.world_size
-    activations = s.tokens * model.hidden * model.layers * ACTIVATION_BYTES[s.checkpointing] * b / 2
-    if s.checkpointing:  # the layer being recomputed holds everything a layer keeps
-        activations += s.tokens * model.hidden * ACTIVATION_BYTES[False] * b / 2
+    recomputed = (model.layers if s.checkpointed is None else s.checkpointed) if s.checkpointing else 0
+    kept = model.layers - recomputed + (1 if recomputed else 0)  # the layer being recomputed keeps what a layer keeps
+    per_layer = s.tokens * model.hidden * b / 2
+    activations = per_layer * (kept * ACTIVATION_BYTES[False] + recomputed * ACTIVATION_BYTES[True])
     if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept
-        activations += s.tokens * s.sequence * model.heads * (4 + b) * (1 if s.checkpointing else model.layers)
+        activations += s.tokens * s.sequence * model.heads * (4 + b) * kept
     optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
     if s.zero_stage == 3:
         weights = model.parameters * b / w
@@ -186,15 +188,19 @@ def planned(*, paths, state: dict, deepspeed, launch, micro: int, ds_config: dic
 AUTO_MARGIN = 0.85  # checkpointing off only where the estimate without it leaves 15% of the GPU's free memory
 
 
-def checkpointing_choice(model: Shapes, setting: Setting, *, device_bytes: float | None) -> tuple[bool, str]:
-    """`train.gradient_checkpointing: auto` on a GPU: off where the run without it fits the GPU's free memory with
-    `AUTO_MARGIN` (faster: nothing recomputed), on where it does not; and why, as metrics/train.json says it."""
-    need = per_rank(model, replace(setting, checkpointing=False))["device"]
+def checkpointing_choice(model: Shapes, setting: Setting, *, device_bytes: float | None) -> tuple[int, str]:
+    """`train.gradient_checkpointing: auto` on a GPU: how many decoder layers recompute their activations, the fewest
+    with which the run fits the GPU's free memory with `AUTO_MARGIN` (0 where it fits without: nothing recomputed,
+    fastest; all where even that does not fit), and why, as metrics/train.json says it."""
     if device_bytes is None:
-        return True, "auto: on (the GPU's free memory could not be read)"
-    fits = need <= AUTO_MARGIN * device_bytes
-    state = "off" if fits else "on"
-    return not fits, f"auto: {state} (about {need / 1e9:.1f} GB without it, {device_bytes / 1e9:.1f} GB free)"
+        return model.layers, "auto: on (the GPU's free memory could not be read)"
+    budget = AUTO_MARGIN * device_bytes
+    for count in range(model.layers + 1):
+        need = per_rank(model, replace(setting, checkpointing=count > 0, checkpointed=count))["device"]
+        if need <= budget:
+            break
+    which = "off" if count == 0 else "on" if count == model.layers else f"{count} of {model.layers} layers"
+    return count, f"auto: {which} (about {need / 1e9:.1f} GB a rank, {device_bytes / 1e9:.1f} GB free)"
 
 
 def check_plan(

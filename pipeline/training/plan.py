@@ -96,6 +96,7 @@ class Plan:
     kernels: str
     kernels_skip: list[str]  # train.kernels_skip: paths left out
     checkpointing: str  # how launch.gradient_checkpointing was decided (auto: from the memory estimate)
+    checkpointed_layers: int | None  # with checkpointing, the decoder layers that recompute (None: all)
     leaf_layers: bool  # ZeRO-3 gathers each decoder layer whole (deepspeed.leaf_layers)
     zero_stage: int
     ds_config: dict
@@ -224,12 +225,12 @@ def make(
         ds_config = built(dsc.LayerSizes(largest_trained=model.largest_lora, layer=model.layer))
         setting = dataclasses.replace(setting, leaf_layers=True)
     device = memory_estimate.gpu_memory() if launch.accelerator == "cuda" else None
-    checkpointing = f"train.gradient_checkpointing: {str(launch.gradient_checkpointing).lower()}"
+    checkpointing, checkpointed = f"train.gradient_checkpointing: {str(launch.gradient_checkpointing).lower()}", None
     if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
-        chosen, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
-        launch = dataclasses.replace(launch, gradient_checkpointing=chosen)
-        setting = dataclasses.replace(setting, checkpointing=chosen)
-        state = {**state, "launch": {**state["launch"], "gradient_checkpointing": chosen}}
+        checkpointed, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
+        launch = dataclasses.replace(launch, gradient_checkpointing=checkpointed > 0)
+        setting = dataclasses.replace(setting, checkpointing=checkpointed > 0, checkpointed=checkpointed)
+        state = {**state, "launch": {**state["launch"], "gradient_checkpointing": checkpointed > 0}}
     estimate = memory_estimate.check_plan(
         model, setting, quantized=lora.quantization != "none", device_bytes=device, ranks_per_node=launch.ranks_per_node
     )
@@ -259,6 +260,7 @@ def make(
         kernels=train.kernels,
         kernels_skip=list(train.kernels_skip),
         checkpointing=checkpointing,
+        checkpointed_layers=checkpointed,
         leaf_layers=leaf,
         zero_stage=deepspeed.stage,
         ds_config=ds_config,

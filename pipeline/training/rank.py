@@ -23,7 +23,7 @@ def build_engine(plan: Plan):
 
     from pipeline import kernels
     from pipeline.core.precision import DTYPES
-    from pipeline.model.lora import load_lora_model, parameter_groups
+    from pipeline.model.lora import load_lora_model, parameter_groups, recompute_only_last
     from pipeline.model.quantization import Quantization
     from pipeline.training import ds_config as dsc
     from pipeline.training.schedule import lr_scheduler_factory
@@ -47,6 +47,8 @@ def build_engine(plan: Plan):
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
         attention=launch.attention,
     )
+    if launch.gradient_checkpointing and plan.checkpointed_layers is not None:
+        recompute_only_last(model, plan.checkpointed_layers)
     skip = tuple(plan.kernels_skip)
     installed = kernels.apply(
         model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
