@@ -7,12 +7,11 @@ activation checkpointing was decided, and from a profile of two steps (CUDA acti
 GPU's busy time and its idle time per step.
 
 Variants (`--variants`, in this order by default):
-- previous: the path before issue 45 (no fused step tail, no compiled layers, ZeRO-3 per-module gathers),
-  checkpointing off;
+- previous: the path before issue 45 (no fused step tail, no compiled layers), checkpointing off;
 - tail: the fused step tail, no compiled layers, checkpointing off;
 - default: the defaults (every kernel path `auto` installs; checkpointing auto: off where the run fits);
 - low_memory: the defaults with checkpointing on (train.gradient_checkpointing=true);
-- zero3: the defaults under ZeRO-3 (leaf layers); zero3_previous: ZeRO-3 as before (per-module gathers, no tail);
+- zero3: the defaults under ZeRO-3 (LoRA's tensors kept whole, a layer prefetched);
 - dpo: DPO (reference precomputed) on pairs of two 2,048-token sides, the LM step's 4,096 tokens a step;
 - nemo: NeMo AutoModel's published shape (micro-batch 2 x 4,096, 16 micro-batches a step), 3 steps;
 - eager: transformers + PEFT's own loop (SDPA, torch's fused AdamW), checkpointing off.
@@ -51,7 +50,7 @@ SHAPE = {  # Llama-3-8B
 }  # fmt: skip
 BLOCK = 4096
 SMOKE_BLOCK, SMOKE_STEPS, SMOKE_LINES = 64, 3, 200  # steps > the 2 warm-up steps; lines of the tiny corpus
-PREVIOUS = ["train.kernels_skip=[zero_tail,compiled_layers]", "deepspeed.leaf_layers=false"]
+PREVIOUS = ["train.kernels_skip=[zero_tail,compiled_layers]"]
 OFF = ["train.gradient_checkpointing=false"]
 VARIANTS = {  # name: (overrides, data: lm | dpo)
     "previous": ([*PREVIOUS, *OFF], "lm"),
@@ -59,7 +58,6 @@ VARIANTS = {  # name: (overrides, data: lm | dpo)
     "default": ([], "lm"),
     "low_memory": (["train.gradient_checkpointing=true"], "lm"),
     "zero3": (["deepspeed=zero3"], "lm"),
-    "zero3_previous": (["deepspeed=zero3", *PREVIOUS], "lm"),
     "dpo": (["train.objective=dpo", "train.reference=precomputed", "train.beta=0.1"], "dpo"),
     "nemo": (["train.micro_batch_size=2", "train.gradient_accumulation_steps=16", "train.global_batch_size=32"], "lm"),
 }
@@ -83,8 +81,8 @@ def overrides(*, steps: int, block: int, accelerator: str, corpus: Path) -> list
 
 
 def preference_pairs(corpus: Path, out: Path, *, pairs: int, characters: int) -> Path:
-    """`pairs` preference rows whose two responses are each about `characters` characters of the corpus (each side
-    is then cut to data.max_seq_len tokens: the pair is as long as one LM block)."""
+    """`pairs` preference rows whose two responses are each `characters` characters of the corpus (each side,
+    prompt included, within data.max_seq_len tokens: the pair about as long as one LM block)."""
     text = (corpus / "peoples_daily_train.txt").read_text(encoding="utf-8").replace("\n", "")
     rows = []
     for i in range(pairs):
@@ -170,7 +168,9 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
     base = work / "base"
     if not (base / "config.json").is_file():
         write_random_llama(base, tokenizer, shape=shape)
-    pairs = preference_pairs(corpus, work / "pairs.jsonl", pairs=8 if smoke else 24, characters=block)
+    # each side fits data.max_seq_len (block / 2 tokens) with its prompt: about 1.9 tokens a character here
+    characters = (block // 2 - 16) // 2
+    pairs = preference_pairs(corpus, work / "pairs.jsonl", pairs=8 if smoke else 24, characters=characters)
     shared = overrides(steps=steps, block=block, accelerator=accelerator, corpus=corpus)
     figures = {"device": torch.cuda.get_device_name(0) if not smoke else "cpu", "block": block, "steps": steps}
     for name in variants:
@@ -183,8 +183,6 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
         step_count = NEMO_STEPS if name == "nemo" else steps
         run = [*shared, *extra, *settings, f"train.max_steps={step_count}", f"train.eval_every={step_count}",
                f"train.save_every={step_count}"]  # fmt: skip
-        if smoke and name in ("zero3", "zero3_previous"):
-            run.append("deepspeed.leaf_layers=true" if name == "zero3" else "deepspeed.leaf_layers=false")
         figures[name] = train(work=work, name=name, base=base, tokenizer=tokenizer, settings=run, profile=not smoke)
         print(f"gpu_train: {name}: {json.dumps(figures[name])}", flush=True)
     return figures

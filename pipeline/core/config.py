@@ -134,7 +134,6 @@ class DeepSpeedConfig(Section):
     overlap_comm: bool
     contiguous_gradients: bool
     hpz_partition_size: int = PositiveInt
-    leaf_layers: bool | Literal["auto"]
 
     @model_validator(mode="after")
     def _offload(self) -> DeepSpeedConfig:

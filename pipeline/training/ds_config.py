@@ -173,21 +173,12 @@ class ZeroSettings:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     hpz_partition_size: int = 1
-    leaf_layers: bool | str = False  # deepspeed.leaf_layers; resolved by `leaf_layers` below
-
-
-def leaf_layers(requested: bool | str, *, stage: int, accelerator: str) -> bool:
-    """`deepspeed.leaf_layers`: ZeRO-3 gathers each decoder layer whole (auto: on GPUs, where a layer's parameters
-    are a small part of the card; CPU ranks keep the per-Linear gathers, which hold less at a time)."""
-    if stage != 3:
-        return False
-    return accelerator == "cuda" if requested == "auto" else bool(requested)
 
 
 @dataclass(frozen=True, kw_only=True)
 class LayerSizes:
-    """What ZeRO-3's leaf layers need of the model: the largest trained tensor (kept whole on every rank) and a
-    decoder layer's parameters (the prefetch reaches the next layer)."""
+    """What ZeRO-3's settings need of the model: the largest LoRA tensor (LoRA's tensors are kept whole on every
+    rank: a few MB, gathered in no step) and a decoder layer's parameters (on GPUs the prefetch reaches a layer)."""
 
     largest_trained: int
     layer: int
@@ -205,13 +196,13 @@ def build(
     max_grad_norm: float,
     global_batch: int | None = None,
     accelerator: str = "cpu",
-    leaf: LayerSizes | None = None,
+    sizes: LayerSizes | None = None,
 ) -> dict:
     """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's) for ranks on `accelerator`. On
     CPU ranks, where memory is what runs out, ZeRO-3 keeps at most 1e8 gathered parameter elements live instead of
     1e9 (figures: docs/scaling.md); on GPUs, offloaded states live in pinned host memory (the copies to and from
-    the GPU run asynchronously; on CPU ranks there is no copy to pin for). With `leaf` (ZeRO-3's leaf layers), the
-    LoRA tensors stay whole and the prefetch reaches a whole layer."""
+    the GPU run asynchronously; on CPU ranks there is no copy to pin for). With `sizes` (ZeRO-3), the LoRA tensors
+    stay whole and on GPUs the prefetch reaches a whole layer."""
     section: dict = {"stage": zero.stage}
     if zero.stage > 0:
         section.update(overlap_comm=zero.overlap_comm, contiguous_gradients=zero.contiguous_gradients)
@@ -229,10 +220,10 @@ def build(
             section.update(zero_hpz_partition_size=zero.hpz_partition_size)
         if accelerator == "cpu":
             section.update(stage3_max_live_parameters=LEAN_LIVE, stage3_max_reuse_distance=LEAN_LIVE)
-        if leaf is not None:  # LoRA's tensors whole on every rank; the next layer fetched while this one computes
-            section.update(
-                stage3_param_persistence_threshold=leaf.largest_trained + 1, stage3_prefetch_bucket_size=leaf.layer
-            )
+        if sizes is not None:  # LoRA's tensors whole on every rank; on GPUs a layer prefetched while one computes
+            section.update(stage3_param_persistence_threshold=sizes.largest_trained + 1)
+            if accelerator == "cuda":
+                section.update(stage3_prefetch_bucket_size=max(sizes.layer, 50_000_000))
     pinned = accelerator == "cuda"
     if zero.offload_optimizer:
         section["offload_optimizer"] = {"device": "cpu", "pin_memory": pinned}

@@ -33,7 +33,7 @@ class Shapes:
     hidden: int
     layers: int
     heads: int
-    largest_lora: int = 0  # the largest LoRA tensor (ZeRO-3's leaf layers keep them whole)
+    largest_lora: int = 0  # the largest LoRA tensor (ZeRO-3 keeps them whole)
     layer: int = 0  # the largest decoder layer's parameters
 
 
@@ -51,7 +51,6 @@ class Setting:
     accelerator: str
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
-    leaf_layers: bool = False  # ZeRO-3: LoRA's tensors whole on every rank
     checkpointed: int | None = None  # with checkpointing, the layers recomputed (None: all)
 
 
@@ -100,7 +99,7 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     if s.zero_stage == 3:
         weights = model.parameters * b / w
         gathered = min(model.parameters, LIVE[s.accelerator]) * b + 3 * model.largest * b
-        trained = model.trainable * b / (1 if s.leaf_layers else w)
+        trained = model.trainable * b  # LoRA's tensors whole on every rank (training.ds_config)
     else:
         weights, gathered, trained = model.parameters * b, 0.0, model.trainable * b
     host = HOST_PER_RANK if s.accelerator != "cpu" else 0.0

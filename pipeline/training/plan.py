@@ -97,7 +97,6 @@ class Plan:
     kernels_skip: list[str]  # train.kernels_skip: paths left out
     checkpointing: str  # how launch.gradient_checkpointing was decided (auto: from the memory estimate)
     checkpointed_layers: int | None  # with checkpointing, the decoder layers that recompute (None: all)
-    leaf_layers: bool  # ZeRO-3 gathers each decoder layer whole (deepspeed.leaf_layers)
     zero_stage: int
     ds_config: dict
     run_state: dict  # identity, fingerprint, layout and variant: kept in every checkpoint
@@ -199,7 +198,7 @@ def make(
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
 
-    def built(leaf: dsc.LayerSizes | None = None) -> dict:
+    def built(sizes: dsc.LayerSizes | None = None) -> dict:
         return dsc.build(
             zero=dsc.ZeroSettings(**deepspeed.model_dump()),
             precision=launch.precision,
@@ -211,7 +210,7 @@ def make(
             max_grad_norm=train.max_grad_norm,
             global_batch=launch.global_batch_size,
             accelerator=launch.accelerator,
-            leaf=leaf,
+            sizes=sizes,
         )
 
     ds_config = built()
@@ -220,12 +219,12 @@ def make(
     model, setting = memory_estimate.planned(
         paths=paths, state=state, deepspeed=deepspeed, launch=launch, micro=train.micro_batch_size, ds_config=ds_config
     )
-    leaf = dsc.leaf_layers(deepspeed.leaf_layers, stage=deepspeed.stage, accelerator=launch.accelerator)
-    if leaf:
+    if deepspeed.stage == 3:
         ds_config = built(dsc.LayerSizes(largest_trained=model.largest_lora, layer=model.layer))
-        setting = dataclasses.replace(setting, leaf_layers=True)
     device = memory_estimate.gpu_memory() if launch.accelerator == "cuda" else None
-    checkpointing, checkpointed = f"train.gradient_checkpointing: {str(launch.gradient_checkpointing).lower()}", None
+    stated = str(launch.gradient_checkpointing).lower()
+    checkpointed = None
+    checkpointing = "auto: off (CPU ranks)" if train.gradient_checkpointing == "auto" else f"set: {stated}"
     if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
         checkpointed, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
         launch = dataclasses.replace(launch, gradient_checkpointing=checkpointed > 0)
@@ -261,7 +260,6 @@ def make(
         kernels_skip=list(train.kernels_skip),
         checkpointing=checkpointing,
         checkpointed_layers=checkpointed,
-        leaf_layers=leaf,
         zero_stage=deepspeed.stage,
         ds_config=ds_config,
         run_state=state,

@@ -53,12 +53,6 @@ def build_engine(plan: Plan):
     installed = kernels.apply(
         model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
     )
-    if plan.leaf_layers:  # ZeRO-3's hooks on each decoder layer, not on each of its modules
-        from deepspeed.utils import set_z3_leaf_modules
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        layers = {type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
-        set_z3_leaf_modules(model, list(layers))
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
