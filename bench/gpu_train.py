@@ -17,7 +17,7 @@ Variants (`--variants`, in this order by default):
 - eager: transformers + PEFT's own loop (SDPA, torch's fused AdamW), checkpointing off.
 
     python -m bench.gpu_train [--variants default,eager] [--steps 20] [--work DIR]   # on a CUDA machine
-    python -m bench.gpu_train --smoke [--results DIR]   # every variant's path on CPU ranks, a tiny random LLaMA
+    python -m bench.gpu_train --smoke [--results DIR]   # the variants' paths on CPU ranks, a tiny random LLaMA
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ VARIANTS = {  # name: (overrides, data: lm | dpo)
     "dpo": (["train.objective=dpo", "train.reference=precomputed", "train.beta=0.1"], "dpo"),
     "nemo": (["train.micro_batch_size=2", "train.gradient_accumulation_steps=16", "train.global_batch_size=32"], "lm"),
 }
+ALL = ("previous", "tail", "default", "eager", "zero3", "dpo", "low_memory", "nemo")
+SMOKE_VARIANTS = ("previous", "default", "eager", "dpo")  # make test: each path, at CI's cost
 NEMO_STEPS = 3  # 131,072 tokens a step: the first warms up
 FIGURES = ("steady_tokens_per_s", "tokens_per_s", "mfu", "peak_gpu_memory_mb", "peak_memory_mb", "final_train_loss",
            "gradient_checkpointing", "checkpointed_layers", "kernels", "compiled_graphs")  # fmt: skip
@@ -168,8 +170,10 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
     base = work / "base"
     if not (base / "config.json").is_file():
         write_random_llama(base, tokenizer, shape=shape)
-    # each side fits data.max_seq_len (block / 2 tokens) with its prompt: about 1.9 tokens a character here
-    characters = (block // 2 - 16) // 2
+    # each side fits data.max_seq_len (block / 2 tokens) with its prompt in the Alpaca template (about 50 tokens):
+    # about 1.9 tokens a character here; at smoke size a few characters and room for the template
+    characters = max(8, (block // 2 - 64) // 2)
+    side = block // 2 if not smoke else 96
     pairs = preference_pairs(corpus, work / "pairs.jsonl", pairs=8 if smoke else 24, characters=characters)
     shared = overrides(steps=steps, block=block, accelerator=accelerator, corpus=corpus)
     figures = {"device": torch.cuda.get_device_name(0) if not smoke else "cpu", "block": block, "steps": steps}
@@ -178,7 +182,8 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
             figures[name] = eager_rate(base=base, block=block, steps=min(steps, 10), device=accelerator)
             continue
         settings, data = VARIANTS[name]
-        extra = [f"data.train_file={pairs}", f"data.heldout_file={pairs}", "data.format=preference"]
+        extra = [f"data.train_file={pairs}", f"data.heldout_file={pairs}", "data.format=preference",
+                 f"data.max_seq_len={side}"]  # fmt: skip
         extra = extra if data == "dpo" else []
         step_count = NEMO_STEPS if name == "nemo" else steps
         run = [*shared, *extra, *settings, f"train.max_steps={step_count}", f"train.eval_every={step_count}",
@@ -210,7 +215,7 @@ def ratios(figures: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--variants", default="previous,tail,default,eager,zero3,dpo,low_memory,nemo")
+    parser.add_argument("--variants", help=f"default: {','.join(ALL)} ({','.join(SMOKE_VARIANTS)} with --smoke)")
     parser.add_argument("--work", type=Path, help="where the random model and the runs go (kept: a later call reuses "
                         "the model); default: a temporary folder")  # fmt: skip
     parser.add_argument("--tokenizer", type=Path, default=Path("artifacts/tokenizer"), help="from `make run`")
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         print("bench.gpu_train: no CUDA device here; nothing measured")
         return
     results = results_folder(args)
-    variants = args.variants.split(",")
+    variants = args.variants.split(",") if args.variants else list(SMOKE_VARIANTS if args.smoke else ALL)
     unknown = [v for v in variants if v not in VARIANTS and v != "eager"]
     if unknown:
         raise SystemExit(f"bench.gpu_train: unknown variants {unknown}; expected some of {[*VARIANTS, 'eager']}")
