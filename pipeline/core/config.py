@@ -151,6 +151,7 @@ class TrainConfig(Section):
     gradient_checkpointing: bool | Literal["auto"]
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
+    kernels_skip: list[str]
     resize_embeddings: bool
     objective: Literal["lm", "dpo", "orpo", "simpo"]
     beta: float = Field(gt=0.0)

@@ -9,11 +9,15 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `linear`: frozen fp32 Linear layers through oneDNN's matmul (CPU).
 - `attention`: SDPA's forward, the backward as matmuls in causal query blocks and two C++ passes (CPU).
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
+- `compiled_layers`: each decoder layer through torch.compile, its elementwise work fused (CUDA, ZeRO 0-2).
+- `zero_tail`: ZeRO-1/2's overflow check and clipping norm as one fused pass over the gradient partition (any device).
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`).
 
 `auto` installs the CPU paths on CPU ranks only, and elsewhere the device-generic ones (PyTorch operators; their
-GPU tests are marked `gpu`). A rank calls `environment` before it starts (its launcher's variables), `apply` on the
-model before DeepSpeed wraps it, and `settle` once the engine is loaded, before the loop."""
+GPU tests are marked `gpu`); `train.kernels_skip` names paths to leave out (a benchmark's previous path, or one a
+user distrusts). A rank calls `environment` before it starts (its launcher's variables), `apply` on the model before
+DeepSpeed wraps it, `tune_engine` on the engine DeepSpeed built, and `settle` once the engine is loaded, before the
+loop."""
 
 from __future__ import annotations
 
@@ -26,33 +30,54 @@ MODULES = {  # imported only when chosen
     "lora_linear": "pipeline.kernels.lora_linear",
     "linear": "pipeline.kernels.linear",
     "attention": "pipeline.kernels.attention",
+    "compiled_layers": "pipeline.kernels.compiled_layers",
+    "zero_tail": "pipeline.kernels.zero_tail",
 }
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
-NOT_UNDER_ZERO3 = ("lora_linear",)  # ZeRO-3 gathers a layer's weights only when that layer is called
+CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
+NOT_UNDER_ZERO3 = ("lora_linear", "compiled_layers")  # ZeRO-3 gathers a layer's weights only when that layer is called
+ENGINE = ("zero_tail",)  # installed on the engine DeepSpeed built (tune_engine), on any device
 
 
-def chosen(*, device: str, zero_stage: int, enabled: str) -> tuple[str, ...]:
-    """The layer paths a rank training on `device` ("cpu", "cuda", ...) installs under ZeRO `zero_stage`."""
+def _checked(enabled: str, skip: tuple[str, ...]) -> None:
     if enabled not in SWITCH:
         raise ValueError(f"train.kernels: {enabled!r}; expected one of {', '.join(SWITCH)}")
+    unknown = [name for name in skip if name not in MODULES]
+    if unknown:
+        raise ValueError(f"train.kernels_skip: {unknown} are not kernel paths; expected some of {sorted(MODULES)}")
+
+
+def chosen(*, device: str, zero_stage: int, enabled: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The layer paths a rank training on `device` ("cpu", "cuda", ...) installs under ZeRO `zero_stage`."""
+    _checked(enabled, skip)
     if enabled == "off":
         return ()
-    names = GENERIC + (CPU_ONLY if device == "cpu" else ())
-    return tuple(n for n in names if not (zero_stage == 3 and n in NOT_UNDER_ZERO3))
+    names = GENERIC + (CPU_ONLY if device == "cpu" else CUDA_ONLY if device == "cuda" else ())
+    return tuple(n for n in names if not (zero_stage == 3 and n in NOT_UNDER_ZERO3) and n not in skip)
 
 
-def apply(model, *, device: str, zero_stage: int, enabled: str) -> dict[str, int]:
+def apply(model, *, device: str, zero_stage: int, enabled: str, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Install the chosen layer paths into `model` (a PEFT model, before DeepSpeed wraps it); how many modules each
     changed (0 where one does not apply to this model, such as an fp32 norm without the C++ kernels)."""
     installed = {}
-    for name in chosen(device=device, zero_stage=zero_stage, enabled=enabled):
+    for name in chosen(device=device, zero_stage=zero_stage, enabled=enabled, skip=skip):
         module = importlib.import_module(MODULES[name])
         # lean_layers uses the C++ kernels only for a CPU run; the others pick per call, by their tensors' device
         options = {"cpp": device == "cpu"} if name == "lean_layers" else {}
         options = {"partitioned": zero_stage == 3} if name == "fused_loss" else options
         installed[name] = int(module.install(model, **options))
     return installed
+
+
+def tune_engine(engine, *, enabled: str, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    """Install the engine-level paths into the engine DeepSpeed built (each 1 where it applied, 0 where not: a
+    ZeRO-3 or offloading optimizer keeps DeepSpeed's step)."""
+    _checked(enabled, skip)
+    if enabled == "off":
+        return {}
+    names = [name for name in ENGINE if name not in skip]
+    return {name: int(importlib.import_module(MODULES[name]).install(engine)) for name in names}
 
 
 def environment(*, device: str, enabled: str) -> dict[str, str]:

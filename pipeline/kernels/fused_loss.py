@@ -32,6 +32,9 @@ from pipeline.kernels.linear import matmul_nt
 CHUNK_BYTES = {"cpu": 2**25, "cuda": 2**27}
 
 
+# Devices where picking the labelled rows by a boolean mask costs nothing (it reads the mask back to the host: on a
+# GPU that waits for the forward pass mid-step); elsewhere every row is computed, the unlabelled ones weighted 0.
+SELECTED_ROWS = ("cpu",)
 TARGET_LOGPS = "fused_target_logps"  # the installed LM's flag; pipeline/training/preference.py reads it by name
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # the C++ kernel's: fp16 logits are upcast by PyTorch's operators
 
@@ -73,21 +76,26 @@ def _kept_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass."""
+    """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass; with
+    `weights` (0 or 1 a row) the mean over the rows weighted 1, the count kept on the device."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
-        n = hidden.shape[0]
+    def forward(ctx, hidden, weight, targets, weights, grads: bool) -> torch.Tensor:
+        n = hidden.shape[0] if weights is None else weights.sum().clamp_min(1).float()
         grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for part, h, losses, grad in _head_chunks(hidden, weight, targets, grads):
-            total += losses.sum()
+            total += losses.sum() if weights is None else (losses * weights[part]).sum()
             if grad is None:
                 continue
+            if weights is not None:  # a masked row's gradient is 0
+                grad = grad * weights[part, None].to(grad.dtype)
             grad_hidden[part] = matmul_nt(grad, weight.T).div_(n)
             if grad_weight is not None:
-                grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 / n)
+                grad_weight.addmm_(grad.T.float(), h.float(), alpha=1.0 if weights is not None else 1.0 / n)
+        if grad_weight is not None and weights is not None:
+            grad_weight.div_(n)  # n is on the device: the same scale, applied once
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total / n
@@ -98,27 +106,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = (grad_hidden * grad_output).to(ctx.dtypes[0])
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of the logits `hidden @ weight.T` (rows x vocabulary, never materialised whole) against
-    `targets` (no ignored entries)."""
+    `targets`: over every row, or with `weights` (a 0/1 mask) over the rows weighted 1 (those weighted 0 need a
+    valid target, and cost their share of the head's work, but nothing is read back to the host)."""
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, grads)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, grads)
 
 
 class _LinearTargetLogps(torch.autograd.Function):
-    """Each row's log-probability of its target under log_softmax(hidden @ weight.T) (fp32), for a frozen weight:
-    the gradient for `hidden` computed in the forward pass, scaled by each row's incoming gradient in backward."""
+    """Each row's log-probability of its target under log_softmax(hidden @ weight.T) (fp32; 0 where `weights` is),
+    for a frozen weight: the gradient for `hidden` computed in the forward pass, scaled by each row's incoming
+    gradient in backward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
+    def forward(ctx, hidden, weight, targets, weights, grads: bool) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
         logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for part, _, losses, grad in _head_chunks(hidden, weight, targets, grads):
-            logps[part] = -losses
+            logps[part] = -losses if weights is None else -losses * weights[part]
             if grad is not None:
+                if weights is not None:
+                    grad = grad * weights[part, None].to(grad.dtype)
                 grad_hidden[part] = matmul_nt(grad, weight.T).neg_()
         ctx.save_for_backward(grad_hidden)
         ctx.dtype = hidden.dtype
@@ -127,22 +141,25 @@ class _LinearTargetLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_output[:, None]).to(ctx.dtype), None, None, None
+        return (grad_hidden * grad_output[:, None]).to(ctx.dtype), None, None, None, None
 
 
-def linear_target_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_target_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Each row's log-probability of its target under the logits `hidden @ weight.T` (rows x vocabulary, never
-    materialised whole), for a frozen `weight` (a trained head's gradient would need every row's logits kept)."""
+    materialised whole), for a frozen `weight` (a trained head's gradient would need every row's logits kept); 0
+    at rows `weights` (a 0/1 mask) sets to 0."""
     if weight.requires_grad:
         raise ValueError("linear_target_logps: the head is trained; take its logits at these rows instead")
     grads = torch.is_grad_enabled() and hidden.requires_grad
-    return _LinearTargetLogps.apply(hidden, weight, targets, grads)
+    return _LinearTargetLogps.apply(hidden, weight, targets, weights, grads)
 
 
 @dataclass
 class TargetLogps(ModelOutput):
-    """What `fused_forward` returns with `target_logps`: each labelled position's log-probability of its target
-    (fp32), flattened in row-major order of the positions whose label counts."""
+    """What `fused_forward` returns with `target_logps`: each position's log-probability of its next-token target
+    (fp32, rows x positions), 0 where the label does not count."""
 
     logps: torch.Tensor | None = None
 
@@ -186,12 +203,21 @@ def fused_forward(
     )
     targets = shifted(labels) if shift_labels is None else shift_labels
     keep = targets != IGNORE_INDEX
-    hidden = out.last_hidden_state[keep]
     head = plain_head(self)
+    if out.last_hidden_state.device.type in SELECTED_ROWS:  # only the labelled rows
+        hidden, rows, weights = out.last_hidden_state[keep], targets[keep], None
+    else:  # every row, the unlabelled ones weighted 0: nothing read back to the host mid-step
+        hidden, weights = out.last_hidden_state.flatten(0, 1), keep.flatten()
+        rows = targets.flatten().masked_fill(~weights, 0)
     with gathered(head.weight):
         if target_logps:
-            return TargetLogps(logps=linear_target_logps(hidden, head.weight, targets[keep]))
-        loss = linear_cross_entropy(hidden, head.weight, targets[keep])
+            values = linear_target_logps(hidden, head.weight, rows, weights)
+            if weights is not None:
+                return TargetLogps(logps=values.view(keep.shape))
+            per_position = torch.zeros(keep.shape, dtype=values.dtype, device=values.device)
+            per_position[keep] = values
+            return TargetLogps(logps=per_position)
+        loss = linear_cross_entropy(hidden, head.weight, rows, weights)
     return CausalLMOutputWithPast(loss=loss)
 
 

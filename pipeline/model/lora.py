@@ -158,6 +158,17 @@ def load_lora_model(
     return model
 
 
+def recompute_only_last(model: torch.nn.Module, count: int) -> int:
+    """With activation checkpointing on, only the last `count` decoder layers recompute (the others keep their
+    activations: faster, where memory allows); how many layers there are."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers[: max(len(layers) - count, 0)]:
+        layer.gradient_checkpointing = False
+    return len(layers)
+
+
 def _zero3_known(zero3_config: dict):
     """Transformers' handle on a ZeRO-3 config: while it lives, is_deepspeed_zero3_enabled() is true."""
     from transformers.integrations import HfDeepSpeedConfig

@@ -22,6 +22,15 @@ class ZeroSettings:
     hpz_partition_size: int = 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerSizes:
+    """What ZeRO-3's settings need of the model: the largest LoRA tensor (LoRA's tensors are kept whole on every
+    rank: a few MB, gathered in no step) and a decoder layer's parameters (on GPUs the prefetch reaches a layer)."""
+
+    largest_trained: int
+    layer: int
+
+
 def build(
     *,
     zero: ZeroSettings,
@@ -34,11 +43,13 @@ def build(
     max_grad_norm: float,
     global_batch: int | None = None,
     accelerator: str = "cpu",
+    sizes: LayerSizes | None = None,
 ) -> dict:
     """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's) for ranks on `accelerator`. On
     CPU ranks, where memory is what runs out, ZeRO-3 keeps at most 1e8 gathered parameter elements live instead of
     1e9 (figures: docs/scaling.md); on GPUs, offloaded states live in pinned host memory (the copies to and from
-    the GPU run asynchronously; on CPU ranks there is no copy to pin for)."""
+    the GPU run asynchronously; on CPU ranks there is no copy to pin for). With `sizes` (ZeRO-3), the LoRA tensors
+    stay whole and on GPUs the prefetch reaches a whole layer."""
     section: dict = {"stage": zero.stage}
     if zero.stage > 0:
         section.update(overlap_comm=zero.overlap_comm, contiguous_gradients=zero.contiguous_gradients)
@@ -56,6 +67,10 @@ def build(
             section.update(zero_hpz_partition_size=zero.hpz_partition_size)
         if accelerator == "cpu":
             section.update(stage3_max_live_parameters=LEAN_LIVE, stage3_max_reuse_distance=LEAN_LIVE)
+        if sizes is not None:  # LoRA's tensors whole on every rank; on GPUs a layer prefetched while one computes
+            section.update(stage3_param_persistence_threshold=sizes.largest_trained + 1)
+            if accelerator == "cuda":
+                section.update(stage3_prefetch_bucket_size=max(sizes.layer, 50_000_000))
     pinned = accelerator == "cuda"
     if zero.offload_optimizer:
         section["offload_optimizer"] = {"device": "cpu", "pin_memory": pinned}
@@ -98,6 +113,7 @@ class EngineConfig:
     max_grad_norm: float
     global_batch: int | None = None
     accelerator: str = "cpu"
+    sizes: LayerSizes | None = None  # ZeRO-3: the model's sizes its settings follow
 
     def __post_init__(self) -> None:
         self.as_dict()  # refused now, not when an engine is built

@@ -34,13 +34,20 @@ class History:
 
 
 def _to(batch: dict, device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch's tensors on `device`; to a GPU from pinned memory without waiting (the host goes on queueing)."""
+    if torch.device(device).type != "cuda":
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
-def _all_reduce_sum(values: list[float], device) -> list[float]:
+def _all_reduce_sum(values: list, device) -> list[float]:
+    """Each value (a number, or a 0-dim tensor still on the device) summed over the ranks: one all-reduce, one read
+    back to the host."""
     import deepspeed.comm as dist
 
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     dist.all_reduce(tensor)
     return tensor.tolist()
 
@@ -255,11 +262,12 @@ def train_step(loop: Loop, step: int, *, reference: dict | None, progress: Progr
     return record
 
 
-def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> tuple[float, int, dict[str, float]]:
+def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> tuple[torch.Tensor, int, dict]:
     """This rank's micro-batches of a global batch, each forward and backward (DeepSpeed steps the optimizer at the
-    last); their summed loss, tokens and (preference objectives) STATS, on this rank."""
+    last); their summed loss and (preference objectives) STATS on the device (read once a step, with the all-reduce),
+    and their tokens."""
     engine, micro = loop.engine, loop.schedule.micro_batch_size
-    loss_sum, step_tokens = 0.0, 0
+    loss_sum, step_tokens = torch.zeros((), device=engine.device), 0
     sums = dict.fromkeys(STATS if loop.objective.kind != "lm" else (), 0.0)
     for index in range(loop.schedule.accumulation):
         indices = micro_batch(batch_rows, rank=loop.rank, world_size=loop.world, micro=micro, index=index)
@@ -270,7 +278,7 @@ def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> 
         )
         engine.backward(loss)
         engine.step()
-        loss_sum += float(loss.detach().float())
+        loss_sum += loss.detach().float()
         step_tokens += row_tokens
         sums.update({k: sums[k] + stats[k] for k in sums})
     return loss_sum, step_tokens, sums

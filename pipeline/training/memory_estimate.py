@@ -6,6 +6,7 @@ eight ranks have each read the model."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass, replace
@@ -32,6 +33,8 @@ class Shapes:
     hidden: int
     layers: int
     heads: int
+    largest_lora: int = 0  # the largest LoRA tensor (ZeRO-3 keeps them whole)
+    layer: int = 0  # the largest decoder layer's parameters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +51,7 @@ class Setting:
     accelerator: str
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
+    checkpointed: int | None = None  # with checkpointing, the layers recomputed (None: all)
 
 
 def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
@@ -58,14 +62,17 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
     grown = {name: [vocab_rows, *shape[1:]] if shape[0] == config["vocab_size"] and len(shape) == 2 else shape
              for name, shape in tensors.items()}  # fmt: skip
     sizes = {name: math.prod(shape) for name, shape in grown.items()}
-    trainable = 0
+    trainable, largest_lora, layers = 0, 0, {}
     for name, shape in grown.items():
         module = name.removesuffix(".weight")
         leaf = module.rsplit(".", 1)[-1]
         if name.endswith(".weight") and len(shape) == 2 and (module in targets or leaf in targets):
             trainable += r * (shape[0] + shape[1])
+            largest_lora = max(largest_lora, r * max(shape))
         if leaf in modules_to_save:
             trainable += sizes[name]
+        if (index := re.search(r"\.layers\.(\d+)\.", name)) is not None:
+            layers[index.group(1)] = layers.get(index.group(1), 0) + sizes[name]
     return Shapes(
         parameters=sum(sizes.values()),
         largest=max(sizes.values()),
@@ -73,6 +80,8 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
         hidden=config["hidden_size"],
         layers=config["num_hidden_layers"],
         heads=config["num_attention_heads"],
+        largest_lora=largest_lora,
+        layer=max(layers.values(), default=0),
     )
 
 
@@ -80,16 +89,17 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     """Bytes a rank needs on its device ("device") and, on a GPU node, in host memory ("host"; on CPU ranks both are
     the same memory, counted under "device"): docs/scaling.md's terms."""
     s, b, w = setting, setting.dtype_bytes, setting.world_size
-    activations = s.tokens * model.hidden * model.layers * ACTIVATION_BYTES[s.checkpointing] * b / 2
-    if s.checkpointing:  # the layer being recomputed holds everything a layer keeps
-        activations += s.tokens * model.hidden * ACTIVATION_BYTES[False] * b / 2
+    recomputed = (model.layers if s.checkpointed is None else s.checkpointed) if s.checkpointing else 0
+    kept = model.layers - recomputed + (1 if recomputed else 0)  # the layer being recomputed keeps what a layer keeps
+    per_layer = s.tokens * model.hidden * b / 2
+    activations = per_layer * (kept * ACTIVATION_BYTES[False] + recomputed * ACTIVATION_BYTES[True])
     if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept
-        activations += s.tokens * s.sequence * model.heads * (4 + b) * (1 if s.checkpointing else model.layers)
+        activations += s.tokens * s.sequence * model.heads * (4 + b) * kept
     optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
     if s.zero_stage == 3:
         weights = model.parameters * b / w
         gathered = min(model.parameters, LIVE[s.accelerator]) * b + 3 * model.largest * b
-        trained = model.trainable * b / w
+        trained = model.trainable * b  # LoRA's tensors whole on every rank (training.ds_config)
     else:
         weights, gathered, trained = model.parameters * b, 0.0, model.trainable * b
     host = HOST_PER_RANK if s.accelerator != "cpu" else 0.0
@@ -139,11 +149,9 @@ def gpu_memory() -> float | None:
     return min(values) if values else None
 
 
-def check_plan(*, paths, state, lora, deepspeed, launch, micro: int, ds_config) -> dict[str, float]:
-    """The estimate for a planned run (the micro-batch's tokens from the longest row of the dataset's first record
-    batch: nothing else of it is read), refused where it cannot fit this node; GB a rank, as the plan records it. A
-    quantized base is not estimated (its 4-bit weights are not in this model)."""
-    import psutil
+def planned(*, paths, state, deepspeed, launch, micro: int, ds_config) -> tuple[Shapes, Setting]:
+    """The model's shapes and the run's setting for a planned run (the micro-batch's tokens from the longest row of
+    the dataset's first record batch: nothing else of it is read)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -172,13 +180,40 @@ def check_plan(*, paths, state, lora, deepspeed, launch, micro: int, ds_config) 
         sequence=sequence,
         eager_attention=launch.attention == "eager",
     )
-    if lora.quantization == "none":
-        device = gpu_memory() if launch.accelerator == "cuda" else None
+    return model, setting
+
+
+AUTO_MARGIN = 0.85  # checkpointing off only where the estimate without it leaves 15% of the GPU's free memory
+
+
+def checkpointing_choice(model: Shapes, setting: Setting, *, device_bytes: float | None) -> tuple[int, str]:
+    """`train.gradient_checkpointing: auto` on a GPU: how many decoder layers recompute their activations, the fewest
+    with which the run fits the GPU's free memory with `AUTO_MARGIN` (0 where it fits without: nothing recomputed,
+    fastest; all where even that does not fit), and why, as metrics/train.json says it."""
+    if device_bytes is None:
+        return model.layers, "auto: on (the GPU's free memory could not be read)"
+    budget = AUTO_MARGIN * device_bytes
+    for count in range(model.layers + 1):
+        need = per_rank(model, replace(setting, checkpointing=count > 0, checkpointed=count))["device"]
+        if need <= budget:
+            break
+    which = "off" if count == 0 else "on" if count == model.layers else f"{count} of {model.layers} layers"
+    return count, f"auto: {which} (about {need / 1e9:.1f} GB a rank, {device_bytes / 1e9:.1f} GB free)"
+
+
+def check_plan(
+    model: Shapes, setting: Setting, *, quantized: bool, device_bytes: float | None, ranks_per_node: int
+) -> dict[str, float]:
+    """The estimate for a planned run, refused where it cannot fit this node; GB a rank, as the plan records it. A
+    quantized base is not estimated (its 4-bit weights are not in this model)."""
+    import psutil
+
+    if not quantized:
         check_fits(
             model,
             setting,
-            device_bytes=device,
+            device_bytes=device_bytes,
             host_bytes=psutil.virtual_memory().available,
-            ranks=launch.ranks_per_node,
+            ranks=ranks_per_node,
         )
     return {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}

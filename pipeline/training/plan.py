@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import kernels
 from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
@@ -40,6 +41,7 @@ UNTRACKED_TRAIN_KEYS = (
     "gradient_accumulation_steps",
     "gradient_checkpointing",
     "kernels",
+    "kernels_skip",
     "attention",
     "init_adapter",
 )  # fmt: skip  (init_adapter: its tensors' digest is tracked instead of its path)
@@ -135,6 +137,9 @@ class Plan:
     optimizer: Optimizer
     tracking: Tracking
     kernels: str
+    kernels_skip: list[str]  # train.kernels_skip: paths left out
+    checkpointing: str  # how launch.gradient_checkpointing was decided (auto: from the memory estimate)
+    checkpointed_layers: int | None  # with checkpointing, the decoder layers that recompute (None: all)
     zero_stage: int
     ds_config: dsc.EngineConfig
     run_state: RunState
@@ -235,28 +240,44 @@ def make(
     """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
-    ds_config = dsc.EngineConfig(
-        zero=dsc.ZeroSettings(**deepspeed.model_dump()),
-        precision=launch.precision,
-        micro=train.micro_batch_size,
-        accumulation=launch.gradient_accumulation_steps,
-        world_size=launch.world_size,
-        lr=train.lr,
-        weight_decay=train.weight_decay,
-        max_grad_norm=train.max_grad_norm,
-        global_batch=launch.global_batch_size,
-        accelerator=launch.accelerator,
+
+    def built(sizes: dsc.LayerSizes | None = None) -> dsc.EngineConfig:
+        return dsc.EngineConfig(
+            zero=dsc.ZeroSettings(**deepspeed.model_dump()),
+            precision=launch.precision,
+            micro=train.micro_batch_size,
+            accumulation=launch.gradient_accumulation_steps,
+            world_size=launch.world_size,
+            lr=train.lr,
+            weight_decay=train.weight_decay,
+            max_grad_norm=train.max_grad_norm,
+            global_batch=launch.global_batch_size,
+            accelerator=launch.accelerator,
+            sizes=sizes,
+        )
+
+    ds_config = built()
+    skip = tuple(train.kernels_skip)  # checked here, before any launch
+    kernels.chosen(device=launch.accelerator, zero_stage=deepspeed.stage, enabled=train.kernels, skip=skip)
+    model, setting = memory_estimate.planned(
+        paths=paths, state=state, deepspeed=deepspeed, launch=launch, micro=train.micro_batch_size, ds_config=ds_config
     )
+    if deepspeed.stage == 3:
+        ds_config = built(dsc.LayerSizes(largest_trained=model.largest_lora, layer=model.layer))
+    device = memory_estimate.gpu_memory() if launch.accelerator == "cuda" else None
+    stated = str(launch.gradient_checkpointing).lower()
+    checkpointed = None
+    checkpointing = "auto: off (CPU ranks)" if train.gradient_checkpointing == "auto" else f"set: {stated}"
+    if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
+        checkpointed, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
+        launch = dataclasses.replace(launch, gradient_checkpointing=checkpointed > 0)
+        setting = dataclasses.replace(setting, checkpointing=checkpointed > 0, checkpointed=checkpointed)
+        state = dataclasses.replace(state, launch={**state.launch, "gradient_checkpointing": checkpointed > 0})
     estimate = memory_estimate.check_plan(
-        paths=paths,
-        state=state,
-        lora=lora,
-        deepspeed=deepspeed,
-        launch=launch,
-        micro=train.micro_batch_size,
-        ds_config=ds_config,
+        model, setting, quantized=lora.quantization != "none", device_bytes=device, ranks_per_node=launch.ranks_per_node
     )
     log.info(f"about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
+    log.info(f"activation checkpointing {checkpointing}")
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})
@@ -279,6 +300,9 @@ def make(
         optimizer=Optimizer(lr=train.lr, weight_decay=train.weight_decay, lr_ratio=lora.lr_ratio),
         tracking=Tracking(uri=tracking.uri, experiment=tracking.experiment, tensorboard=tracking.tensorboard),
         kernels=train.kernels,
+        kernels_skip=list(train.kernels_skip),
+        checkpointing=checkpointing,
+        checkpointed_layers=checkpointed,
         zero_stage=deepspeed.stage,
         ds_config=ds_config,
         run_state=state,

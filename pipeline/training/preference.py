@@ -49,14 +49,14 @@ def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
     targets = shifted(batch["labels"])
     keep = targets != IGNORE_INDEX
     lm = _causal_lm(model)
-    if getattr(lm, FUSED_TARGET_LOGPS, False):
-        values = model(input_ids=batch["input_ids"], labels=batch["labels"], target_logps=True).logps
+    if getattr(lm, FUSED_TARGET_LOGPS, False):  # rows x positions, 0 where the label does not count
+        per_position = model(input_ids=batch["input_ids"], labels=batch["labels"], target_logps=True).logps
+        return per_position.sum(-1), keep.sum(-1)
+    if _keeps_logits(type(lm)):
+        logits = model(input_ids=batch["input_ids"], logits_to_keep=keep).logits  # [labelled positions, vocab]
     else:
-        if _keeps_logits(type(lm)):
-            logits = model(input_ids=batch["input_ids"], logits_to_keep=keep).logits  # [labelled positions, vocab]
-        else:
-            logits = model(input_ids=batch["input_ids"]).logits[keep]
-        values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[keep][:, None]).squeeze(1)
+        logits = model(input_ids=batch["input_ids"]).logits[keep]
+    values = torch.log_softmax(logits.float(), dim=-1).gather(1, targets[keep][:, None]).squeeze(1)
     per_position = torch.zeros(keep.shape, dtype=torch.float32, device=values.device)
     per_position[keep] = values.float()
     return per_position.sum(-1), keep.sum(-1)
@@ -112,11 +112,12 @@ def pair_losses(
 
 def pair_loss(
     engine, rows: list, *, pad_id: int, objective: Objective, reference: torch.Tensor | None = None
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The mean loss of the pairs in `rows`, and STATS. DPO's reference: `reference` ([pairs, 2]: chosen, rejected)
-    where precomputed, else computed on the same batch."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The mean loss of the pairs in `rows`, and STATS (fp64 sums left on the device: the loop reads them once a
+    step). DPO's reference: `reference` ([pairs, 2]: chosen, rejected) where precomputed, else computed on the same
+    batch."""
     batch = pair_batch(rows, pad_id)
-    batch = {k: v.to(engine.device) for k, v in batch.items()}
+    batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
     n = len(rows)
     logps, counts = model_logps(engine, batch)
     references = {}
@@ -131,10 +132,10 @@ def pair_loss(
         **references,
     )  # fmt: skip
     stats = {
-        "pairs": float(n),
-        "correct": float((reward_c > reward_r).sum()),
-        "reward_chosen": float(reward_c.sum()),
-        "reward_rejected": float(reward_r.sum()),
+        "pairs": torch.tensor(float(n), dtype=torch.float64, device=reward_c.device),
+        "correct": (reward_c > reward_r).sum().double(),
+        "reward_chosen": reward_c.sum().double(),
+        "reward_rejected": reward_r.sum().double(),
     }
     return losses.mean(), stats
 

@@ -26,7 +26,7 @@ def build_engine(plan: Plan):
 
     from pipeline import kernels
     from pipeline.core.precision import DTYPES
-    from pipeline.model.lora import load_lora_model, parameter_groups
+    from pipeline.model.lora import load_lora_model, parameter_groups, recompute_only_last
     from pipeline.model.quantization import Quantization
     from pipeline.training.schedule import lr_scheduler_factory
 
@@ -49,7 +49,12 @@ def build_engine(plan: Plan):
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
         attention=launch.attention,
     )
-    installed = kernels.apply(model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels)
+    if launch.gradient_checkpointing and plan.checkpointed_layers is not None:
+        recompute_only_last(model, plan.checkpointed_layers)
+    skip = tuple(plan.kernels_skip)
+    installed = kernels.apply(
+        model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
+    )
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -58,6 +63,7 @@ def build_engine(plan: Plan):
         config=ds_config,
         lr_scheduler=lr_scheduler_factory(plan.schedule),
     )
+    installed |= kernels.tune_engine(engine, enabled=plan.kernels, skip=skip)
     return engine, installed
 
 
@@ -123,7 +129,9 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             "world_size": world,
             "zero_stage": plan.zero_stage,
             "precision": plan.launch.precision,
+            "gradient_checkpointing": plan.checkpointing,
             "mfu": mfu,
+            **compiled_graphs(load.get("kernels", {})),
         }
 
     def finish(metrics: dict) -> None:
@@ -139,6 +147,16 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
         log.info(f"{json.dumps(metrics)}")
 
     return Reporting(log=log_step, progress=progress, describe=describe), finish
+
+
+def compiled_graphs(installed: dict[str, int]) -> dict[str, int]:
+    """With the compiled layers installed, the graphs torch.compile made (the first step's, then one per new
+    shape: no more after warm-up on packed blocks)."""
+    if not installed.get("compiled_layers"):
+        return {}
+    from pipeline.kernels.compiled_layers import graphs
+
+    return {"compiled_graphs": graphs()}
 
 
 def _rounded(value):

@@ -13,12 +13,12 @@ TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 
 
 def tiny_lora(
-    dtype: torch.dtype, *, dropout: float = 0.0, use_dora: bool = False, device: str = "cpu"
+    dtype: torch.dtype, *, dropout: float = 0.0, use_dora: bool = False, device: str = "cpu", layers: int = 2
 ) -> torch.nn.Module:
-    """Two layers, LoRA r=4 on TARGETS, a trained copy of the head; B drawn away from zero so that every LoRA tensor
-    gets a gradient. Drawn on the CPU, then moved to `device` (the same weights on each)."""
+    """Two layers (or `layers`), LoRA r=4 on TARGETS, a trained copy of the head; B drawn away from zero so that every
+    LoRA tensor gets a gradient. Drawn on the CPU, then moved to `device` (the same weights on each)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2)).to(dtype)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=layers)).to(dtype)
     config = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=dropout, target_modules=TARGETS, modules_to_save=["lm_head"], use_dora=use_dora
     )

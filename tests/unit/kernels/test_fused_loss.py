@@ -53,7 +53,12 @@ def loss_and_grads(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]
 
 @pytest.mark.parametrize("modules_to_save", [[], ["lm_head"]], ids=["frozen_head", "trained_head"])
 @pytest.mark.parametrize("rows", [None, 5], ids=["one_chunk", "chunks_of_5_rows"])
-def test_fused_loss_equals_transformers(modules_to_save, rows, monkeypatch):
+@pytest.mark.parametrize("masked", [False, True], ids=["selected_rows", "masked_rows"])
+def test_fused_loss_equals_transformers(modules_to_save, rows, masked, monkeypatch):
+    """`masked_rows`: every position's row computed, the unlabelled ones weighted 0 (a GPU's path: nothing read back
+    to the host mid-step), forced on the CPU."""
+    if masked:
+        monkeypatch.setattr(fused_loss, "SELECTED_ROWS", ())
     _check_fused_loss_equals_transformers("cpu", torch.float32, modules_to_save, rows, monkeypatch)
 
 

@@ -18,7 +18,7 @@ from tests.conftest import REPO
     [
         ("cpu", 2, "auto", ("lean_layers", "fused_loss", "lora_linear", "linear", "attention")),
         ("cpu", 3, "auto", ("lean_layers", "fused_loss", "linear", "attention")),
-        ("cuda", 2, "auto", ("lean_layers", "fused_loss", "lora_linear")),
+        ("cuda", 2, "auto", ("lean_layers", "fused_loss", "lora_linear", "compiled_layers")),
         ("cuda", 3, "auto", ("lean_layers", "fused_loss")),
         ("cpu", 2, "off", ()),
         ("cuda", 0, "off", ()),
@@ -31,6 +31,13 @@ def test_chosen_paths(device, zero_stage, enabled, expected):
 def test_an_unknown_switch_is_refused():
     with pytest.raises(ValueError, match="train.kernels: 'fast'; expected one of auto, off"):
         kernels.chosen(device="cpu", zero_stage=2, enabled="fast")
+
+
+def test_skipped_paths_are_left_out_and_unknown_ones_named():
+    chosen = kernels.chosen(device="cuda", zero_stage=2, enabled="auto", skip=("compiled_layers", "zero_tail"))
+    assert chosen == ("lean_layers", "fused_loss", "lora_linear")
+    with pytest.raises(ValueError, match=r"train.kernels_skip: \['fused_los'\] are not kernel paths"):
+        kernels.chosen(device="cpu", zero_stage=2, enabled="auto", skip=("fused_los",))
 
 
 def test_process_environment_only_for_cpu_ranks_with_kernels():
@@ -70,9 +77,10 @@ def test_off_imports_and_changes_nothing():
 
 @pytest.mark.slow
 def test_a_gpu_run_loaded_on_the_cpu_gets_only_device_generic_paths():
-    """fp32: the lean norm would need the C++ kernels, so only the MLPs change; nothing compiled or registered."""
+    """fp32: the lean norm would need the C++ kernels, so only the MLPs change; no C++ built, no attention
+    registered; the decoder layers marked for torch.compile (compiled on their first call, on the GPU)."""
     installed, rest = probe("cuda", "auto").split("} ", 1)
-    assert installed == "{'lean_layers': 2, 'fused_loss': 1, 'lora_linear': 8"
+    assert installed == "{'lean_layers': 2, 'fused_loss': 1, 'lora_linear': 8, 'compiled_layers': 2"
     assert rest.endswith("sdpa 0") and "pipeline.kernels.attention" not in rest and "allocator" not in rest
 
 

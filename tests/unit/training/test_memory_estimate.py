@@ -70,3 +70,26 @@ def test_eager_attention_counts_its_score_matrices():
     assert extra == 4096 * 4096 * 32 * 6 * 32
     recomputed = replace(eager, checkpointing=True)
     assert per_rank(LLAMA_8B_R16_ALL, recomputed)["device"] < per_rank(LLAMA_8B_R16_ALL, eager)["device"] / 2
+
+
+def test_auto_checkpointing_recomputes_only_what_the_card_needs():
+    """`train.gradient_checkpointing: auto` on a GPU: 8B at 4,096 tokens (about 36 GB without checkpointing) keeps
+    every layer's activations on an 80 GB card, recomputes some layers on a 40 GB one (the fewest that fit, each
+    layer fewer needing more memory), nearly all on 24 GB (about 19 GB with every layer recomputed: what
+    `train.gradient_checkpointing=true` asks for); the same estimate as checkpointing on when every layer recomputes."""
+    from pipeline.training.memory_estimate import AUTO_MARGIN, checkpointing_choice
+
+    setting = Setting(zero_stage=2, world_size=1, tokens=4096, checkpointing=False, **GPU)
+    assert checkpointing_choice(LLAMA_8B_R16_ALL, setting, device_bytes=80e9)[0] == 0
+    some, reason = checkpointing_choice(LLAMA_8B_R16_ALL, setting, device_bytes=40e9)
+    assert 0 < some < 32 and reason.startswith(f"auto: {some} of 32 layers")
+    need = [
+        per_rank(LLAMA_8B_R16_ALL, replace(setting, checkpointing=True, checkpointed=k))["device"]
+        for k in (some - 1, some)
+    ]
+    assert need[0] > AUTO_MARGIN * 40e9 >= need[1]
+    assert 28 <= checkpointing_choice(LLAMA_8B_R16_ALL, setting, device_bytes=24e9)[0] < 32
+    assert checkpointing_choice(LLAMA_8B_R16_ALL, setting, device_bytes=16e9)[0] == 32  # does not fit: all, refused
+    every = replace(setting, checkpointing=True)
+    assert per_rank(LLAMA_8B_R16_ALL, replace(every, checkpointed=32)) == per_rank(LLAMA_8B_R16_ALL, every)
+    assert per_rank(LLAMA_8B_R16_ALL, every)["device"] < 24e9 * AUTO_MARGIN

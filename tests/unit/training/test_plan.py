@@ -13,7 +13,7 @@ import torch
 from pipeline.launching.settings import Launch
 from pipeline.model.lora import LoraSpec
 from pipeline.training import plan
-from pipeline.training.ds_config import EngineConfig, ZeroSettings, build
+from pipeline.training.ds_config import EngineConfig, LayerSizes, ZeroSettings, build
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
 
@@ -57,8 +57,13 @@ def a_plan(tmp_path: Path) -> plan.Plan:
         optimizer=plan.Optimizer(lr=1e-4, weight_decay=0.1, lr_ratio=4.0),
         tracking=plan.Tracking(uri="sqlite:///mlruns.db", experiment="x", tensorboard=False),
         kernels="auto",
-        zero_stage=2,
-        ds_config=EngineConfig(zero=ZeroSettings(stage=2), **CHOICES, global_batch=24),
+        kernels_skip=["zero_tail"],
+        checkpointing="auto: 3 of 32 layers (about 30.1 GB a rank, 40.0 GB free)",
+        checkpointed_layers=3,
+        zero_stage=3,
+        ds_config=EngineConfig(
+            zero=ZeroSettings(stage=3), **CHOICES, global_batch=24, sizes=LayerSizes(largest_trained=65536, layer=10**8)
+        ),
         run_state=state,
         pad_token_id=0,
         objective=Objective(kind="dpo", beta=0.1, simpo_gamma=0.5, reference="precomputed"),
@@ -72,6 +77,8 @@ def test_the_plan_read_back_is_the_plan_written(tmp_path):
     read = plan.read(tmp_path / plan.FILE)
     assert read == written
     assert isinstance(read.run_state.identity, plan.Identity) and isinstance(read.ds_config.zero, ZeroSettings)
+    assert isinstance(read.ds_config.sizes, LayerSizes)
+    assert read.ds_config.as_dict()["zero_optimization"]["stage3_param_persistence_threshold"] == 65537
     assert read.launch.hosts == ("node0", "node1") and read.paths.base == tmp_path / "base"
     saved = json.loads(json.dumps(read.run_state.saved()))  # as a checkpoint keeps it
     assert saved["identity"]["target_modules"] == ["k_proj", "q_proj"] and saved["variant"]["lr_ratio"] == 4.0

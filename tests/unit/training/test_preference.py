@@ -168,14 +168,20 @@ def from_full_logits(engine, batch) -> torch.Tensor:
 CASES = [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)]
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["selected_rows", "masked_rows"])
 @pytest.mark.parametrize("trained_head", [False, True], ids=["frozen_head", "trained_head"])
 @pytest.mark.parametrize(("dtype", "tolerance"), CASES, ids=["fp32", "bf16"])
 def test_fused_head_and_kept_logits_equal_the_full_logits_with_their_gradients(
-    dtype, tolerance, trained_head, monkeypatch
+    dtype, tolerance, trained_head, masked, monkeypatch
 ):
     """The two ways the objectives take log-probabilities without the batch's logits (the fused head; transformers'
     logits_to_keep) give the figures and the adapter gradients of the whole-logits formula, rows weighted unequally
-    (as DPO's per-pair gradients are); the fused head 3 positions at a time; a trained head's gradient too."""
+    (as DPO's per-pair gradients are); the fused head 3 positions at a time; a trained head's gradient too.
+    `masked_rows`: the fused head over every position, the unlabelled ones weighted 0 (a GPU's path), on the CPU."""
+    from pipeline.kernels import fused_loss
+
+    if masked:
+        monkeypatch.setattr(fused_loss, "SELECTED_ROWS", ())
     _check_ways_agree(dtype, tolerance, "cpu", monkeypatch, trained_head)
 
 

@@ -1,0 +1,34 @@
+"""The compiled decoder layers (pipeline/kernels/compiled_layers.py), the GPU's path, run on the CPU: over the layer
+paths a GPU installs (PyTorch's operators: no oneDNN matmul, no C++ kernels), the same loss and gradients as the
+uncompiled model within fp32 rounding, and one graph shared by every layer (two: the first layer's input needs no
+gradient, the others' do), none compiled again in a second step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear
+from tests.helpers.lora_model import step, tiny_lora
+
+
+def test_compiled_layers_train_as_the_eager_ones(monkeypatch):
+    monkeypatch.setattr(linear, "_MATMUL", None)  # a GPU's matmuls: torch's
+    monkeypatch.setattr(lean_layers, "_kernels", lambda x: None)  # a GPU's MLP and norm: torch's operators
+    torch._dynamo.reset()
+    eager = tiny_lora(torch.float32, layers=3)
+    for install in (lean_layers.install, lora_linear.install, fused_loss.install):
+        install(eager)
+    compiled = copy.deepcopy(eager)
+    assert compiled_layers.install(compiled) == 3
+    want_loss, want, _ = step(eager)
+    got_loss, got, _ = step(compiled)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    graphs = compiled_layers.graphs()
+    assert graphs == 2, graphs
+    step(compiled)
+    assert compiled_layers.graphs() == graphs, "a second step compiled again"
