@@ -16,6 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def pytest_report_header(config):
+    """The CPU code paths this run takes (pipeline/kernels/cpu_paths.py), so that a failure names the path it ran."""
+    from pipeline.kernels.cpu_paths import describe
+
+    return "cpu paths: " + "; ".join(f"{name} {path}" for name, path in describe(kernels=True).items())
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check)."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]

@@ -9,7 +9,10 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `linear`: frozen fp32 Linear layers through oneDNN's matmul (CPU).
 - `attention`: SDPA's forward, the backward as matmuls in causal query blocks and two C++ passes (CPU).
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
-- `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`).
+- `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
+  (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
+- `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
+  metrics' `cpu_paths` and the tests' header.
 
 `auto` installs the CPU paths on CPU ranks only, and elsewhere the device-generic ones (PyTorch operators; their
 GPU tests are marked `gpu`). A rank calls `environment` before it starts (its launcher's variables), `apply` on the

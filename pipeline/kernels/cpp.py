@@ -44,16 +44,26 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def unrunnable(isa: str) -> str | None:
+    """Why this CPU cannot run the path `isa` (None where it can)."""
+    if isa in NEEDS and not X86:
+        return f"an x86-64 path; this machine is {platform.machine()}"
+    missing = NEEDS.get(isa, set()) - cpu_flags()
+    return f"this CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
+def runnable() -> tuple[str, ...]:
+    """The paths this CPU can run: every one a test can force here."""
+    return tuple(isa for isa in TARGETS if unrunnable(isa) is None)
+
+
 def target() -> str:
     """The path `PIPELINE_KERNELS_ISA` asks for (native where unset); a ValueError for one this CPU cannot run."""
     isa = os.environ.get(ISA_VARIABLE) or "native"
     if isa not in TARGETS:
         raise ValueError(f"{ISA_VARIABLE}={isa!r}; expected one of {', '.join(TARGETS)}")
-    if isa in NEEDS and not X86:
-        raise ValueError(f"{ISA_VARIABLE}={isa}: an x86-64 path; this machine is {platform.machine()}")
-    missing = NEEDS.get(isa, set()) - cpu_flags()
-    if missing:
-        raise ValueError(f"{ISA_VARIABLE}={isa}: this CPU lacks {', '.join(sorted(missing))}")
+    if (why := unrunnable(isa)) is not None:
+        raise ValueError(f"{ISA_VARIABLE}={isa}: {why}")
     return isa
 
 
