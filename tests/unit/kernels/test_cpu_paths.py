@@ -20,7 +20,7 @@ from tests.conftest import REPO
 FORCED = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"}
 
 
-@pytest.mark.skipif(not cpp.X86, reason="the forced paths named here are x86-64's")
+@pytest.mark.cpu_family("x86_64", reason="the forced paths (ATen's default, oneDNN's AVX2, sse2) are x86-64's")
 def test_a_forced_path_is_named_where_it_ran():
     code = "import json; from pipeline.kernels.cpu_paths import describe; print(json.dumps(describe(kernels=True)))"
     env = {**FORCED, cpp.ISA_VARIABLE: "scalar"}
