@@ -60,10 +60,14 @@ def apply(model, *, device: str, zero_stage: int, enabled: str) -> dict[str, int
 
 def environment(*, device: str, enabled: str) -> dict[str, str]:
     """Variables a rank's process must start with (the C library reads them at start): glibc and MKL tuned for the
-    CPU paths' memory; nothing elsewhere or turned off."""
+    CPU paths' memory; nothing elsewhere or turned off. A forced C++ path this CPU cannot run (PIPELINE_KERNELS_ISA)
+    is refused here, before any rank starts."""
     if enabled == "off" or device != "cpu":
         return {}
+    from pipeline.kernels import cpp
     from pipeline.kernels.allocator import STARTUP_ENVIRONMENT
+
+    cpp.target()
 
     return dict(STARTUP_ENVIRONMENT)
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from pipeline import kernels
 from pipeline.core.precision import native_bf16
 from pipeline.kernels import cpp
 from pipeline.kernels.cpu_paths import describe
@@ -50,6 +51,8 @@ def test_a_path_this_cpu_cannot_run_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="PIPELINE_KERNELS_ISA=avx2: this CPU lacks bmi2, f16c, fma, movbe"):
         cpp.target()
     assert cpp.runnable() == ("native", "scalar")
+    with pytest.raises(ValueError, match="PIPELINE_KERNELS_ISA=avx2: this CPU lacks"):  # the stage, before a launch
+        kernels.environment(device="cpu", enabled="auto")
 
 
 def test_bf16_is_native_only_where_onednn_may_use_the_cpu_s_bf16(monkeypatch):
