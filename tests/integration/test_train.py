@@ -18,6 +18,7 @@ from pipeline.core import config
 from pipeline.core.atomic import read_json
 from pipeline.core.environment import free_port
 from pipeline.data.tokenizer import META
+from pipeline.kernels.cpu_paths import describe
 from tests.conftest import REPO
 from tests.helpers.training import (
     ONE_RANK,
@@ -77,10 +78,14 @@ def test_kernels_off_trains_as_auto_with_stock_layers(tmp_path, inputs, tiny_bas
     trains what `auto` trains on 2 CPU ranks, within fp32 rounding; `auto` says what it installed."""
     train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero2", "train.kernels=off"])
     assert_same_training(tmp_path, two_ranks_zero2, atol=1e-5)
-    off, auto = read_json(tmp_path / "metrics.json")["kernels"], read_json(two_ranks_zero2 / "metrics.json")["kernels"]
-    assert off == {}
-    assert auto.keys() == {"lean_layers", "fused_loss", "lora_linear", "linear", "attention", "allocator"}
-    assert auto["fused_loss"] == auto["attention"] == auto["allocator"] == 1 and auto["lora_linear"] > 0
+    off, auto = read_json(tmp_path / "metrics.json"), read_json(two_ranks_zero2 / "metrics.json")
+    assert off["kernels"] == {}
+    assert auto["kernels"].keys() == {"lean_layers", "fused_loss", "lora_linear", "linear", "attention", "allocator"}
+    assert auto["kernels"]["fused_loss"] == auto["kernels"]["attention"] == auto["kernels"]["allocator"] == 1
+    assert auto["kernels"]["lora_linear"] > 0
+    # the ranks ran on this process's CPU paths (forced ones included) and say so; with `off`, no C++ kernels
+    assert auto["cpu_paths"] == describe(kernels=True)
+    assert off["cpu_paths"] == {**describe(kernels=True), "kernels": "off"}
 
 
 @pytest.mark.parametrize("zero", ["zero0", "zero1"])
