@@ -33,8 +33,23 @@ def pytest_runtest_setup(item):
             pytest.skip(why)
 
 
+def pytest_report_header(config):
+    """The CPU code paths this run takes (pipeline/kernels/cpu_paths.py), so that a failure names the path it ran."""
+    from pipeline.kernels.cpu_paths import describe
+
+    return "cpu paths: " + "; ".join(f"{name} {path}" for name, path in describe(kernels=True).items())
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check)."""
+    """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check). A test marked
+    `cpu_family(machine, reason)` can only hold on that CPU family: skipped on another, saying which and why."""
+    import platform
+
+    for item in items:
+        family = item.get_closest_marker("cpu_family")
+        if family is not None and family.args[0] != platform.machine():
+            why = f"holds on {family.args[0]} CPUs only, this is {platform.machine()}: {family.kwargs['reason']}"
+            item.add_marker(pytest.mark.skip(reason=why))
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return

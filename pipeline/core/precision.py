@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -22,17 +23,23 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# oneDNN's instruction sets below AVX512_CORE_BF16: capped at one of them (ONEDNN_MAX_CPU_ISA), its bf16 matmuls
+# run without the CPU's bf16 instructions, as on a CPU that lacks them
+ONEDNN_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def native_bf16(device: str) -> bool:
     """Whether `device` ("cuda" or "cpu") computes in bf16 natively: a GPU that supports it, or a CPU with
     AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm), read from /proc/cpuinfo, not guessed from the
-    vendor. Elsewhere bf16 arithmetic is emulated, and slower than fp32."""
+    vendor, and oneDNN not capped below them. Elsewhere bf16 arithmetic is emulated, and slower than fp32."""
     if device.startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:
         flags = set(Path("/proc/cpuinfo").read_text(encoding="utf-8").split())
     except OSError:
         return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"}) and cap not in ONEDNN_WITHOUT_BF16
 
 
 def inference_dtype(precision: str, device: str) -> torch.dtype:

@@ -11,7 +11,10 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
 - `compiled_layers`: each decoder layer through torch.compile, its elementwise work fused (CUDA, ZeRO 0-2).
 - `zero_tail`: ZeRO-1/2's overflow check and clipping norm as one fused pass over the gradient partition (any device).
-- `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`).
+- `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
+  (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
+- `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
+  metrics' `cpu_paths` and the tests' header.
 
 `auto` installs the CPU paths on CPU ranks only, and elsewhere the device-generic ones (PyTorch operators; their
 GPU tests are marked `gpu`); `train.kernels_skip` names paths to leave out (a benchmark's previous path, or one a
@@ -82,10 +85,14 @@ def tune_engine(engine, *, enabled: str, skip: tuple[str, ...] = ()) -> dict[str
 
 def environment(*, device: str, enabled: str) -> dict[str, str]:
     """Variables a rank's process must start with (the C library reads them at start): glibc and MKL tuned for the
-    CPU paths' memory; nothing elsewhere or turned off."""
+    CPU paths' memory; nothing elsewhere or turned off. A forced C++ path this CPU cannot run (PIPELINE_KERNELS_ISA)
+    is refused here, before any rank starts."""
     if enabled == "off" or device != "cpu":
         return {}
+    from pipeline.kernels import cpp
     from pipeline.kernels.allocator import STARTUP_ENVIRONMENT
+
+    cpp.target()
 
     return dict(STARTUP_ENVIRONMENT)
 

@@ -179,13 +179,15 @@ def run_ranks(started: Ranks | None, *, cluster: Cluster, ranks: int, plan: Path
 
 LAUNCH_FILE = "launch.json"  # beside the plan while a launcher=manual launch runs: what joining nodes need
 REMOTE_ENVIRONMENT = ("PATH", "TORCH_EXTENSIONS_DIR", "DS_ACCELERATOR", "OMP_NUM_THREADS", KEEP_BITSANDBYTES)
-REMOTE_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "MKL_", "KMP_")
+CPU_PATH_PREFIXES = ("ATEN_", "ONEDNN_", "DNNL_", "PIPELINE_KERNELS_")  # the CPU code paths (kernels/cpu_paths.py)
+REMOTE_PREFIXES = ("NCCL_", "GLOO_", "TORCH_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "MKL_", "KMP_",
+                   *CPU_PATH_PREFIXES)  # fmt: skip
 
 
 def remote_environment(env: dict[str, str]) -> dict[str, str]:
     """What the ranks of another node need of this node's rank environment: the venv first on PATH, the accelerator,
-    thread counts, the allocator's variables and every NCCL/gloo/torch setting (never this machine's own: HOME, the
-    GPUs it sees)."""
+    thread counts, the allocator's variables, every NCCL/gloo/torch setting and the CPU paths forced (never this
+    machine's own: HOME, the GPUs it sees)."""
     return {k: v for k, v in env.items() if k in REMOTE_ENVIRONMENT or k.startswith(REMOTE_PREFIXES)}
 
 

@@ -224,6 +224,10 @@ def run(plan: Plan) -> None:
         initial.place(engine, plan.init_adapter)
     save_gathered(engine, plan.paths.loaded_state, moments=True)  # what the run continues from, as loaded
     installed |= kernels.settle(device=plan.launch.accelerator, enabled=plan.kernels)
+    if plan.launch.accelerator == "cpu":  # which code paths the CPU's features chose: they round differently
+        from pipeline.kernels.cpu_paths import describe
+
+        figures["cpu_paths"] = describe(kernels=plan.kernels != "off")
     report, finish = reporting(plan, engine, block=block, load={**figures, "kernels": installed})
     if plan.resume.finished is not None:
         metrics = {**plan.resume.finished, "history": saved["history"]}

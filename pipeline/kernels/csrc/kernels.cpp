@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -366,7 +367,29 @@ torch::Tensor rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tens
   return grad_x;
 }
 
+// What the compiler built this for: the widest vector instructions it could use, and "+fma" where a * b + c may be
+// one fused operation (another rounding); pipeline/kernels/cpp.py's `path` reports it
+std::string isa() {
+  std::string widest =
+#if defined(__AVX512F__)
+      "avx512";
+#elif defined(__AVX2__)
+      "avx2";
+#elif defined(__SSE2__)
+      "sse2";
+#elif defined(__ARM_NEON)
+      "neon";
+#else
+      "generic";
+#endif
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  widest += "+fma";
+#endif
+  return widest;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa);
   m.def("probs", &probs);
   m.def("grad_scores", &grad_scores);
   m.def("cross_entropy_rows", &cross_entropy_rows);
