@@ -38,16 +38,23 @@ def inputs(cfg: config.Config) -> list[tuple[str, str, str]]:
 
 
 def training_errors(cfg: config.Config, source: Path) -> list[str]:
-    """What the train stage would refuse, found now: the batch arithmetic, precision and ranks on this machine's
-    world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
-    header, on the meta device)."""
+    """What the train stage would refuse, found now: the batch arithmetic, precision, ranks and sequence-parallel
+    split on this machine's world, and LoRA targets named one by one against the model's Linear layers (read from
+    its config or GGUF header, on the meta device)."""
     from pipeline.model import lora, outline
-    from pipeline.training import cluster, preflight
+    from pipeline.training import cluster, preflight, sequence_parallel
     from pipeline.training import ds_config as dsc
 
     errors = []
     try:
-        dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        launch = dsc.resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        size = cfg.train.sequence_parallel
+        sequence_parallel.check_world(
+            size, world_size=launch.world_size, hpz_partition_size=cfg.deepspeed.hpz_partition_size
+        )
+        if size > 1:  # the heads and the attention the ranks will split
+            config = outline.meta_model(source).config.to_dict()
+            sequence_parallel.check_model(size, config=config, attention=launch.attention)
         if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:

@@ -157,7 +157,9 @@ class TrainConfig(Section):
     lr_scheduler: Literal["cosine", "linear", "constant"]
     max_grad_norm: float = Field(gt=0.0)
     precision: Literal["auto", "bf16", "fp16", "fp32"]
-    gradient_checkpointing: bool | Literal["auto"]
+    gradient_checkpointing: bool | Literal["auto", "offload"]
+    sequence_parallel: int = PositiveInt
+    tiled_mlp: bool | Literal["auto"]
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
     resize_embeddings: bool

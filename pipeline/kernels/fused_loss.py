@@ -76,8 +76,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool) -> torch.Tensor:
-        n = hidden.shape[0]
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, grads: bool, n: int
+    ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -98,14 +99,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = (grad_hidden * grad_output).to(ctx.dtypes[0])
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, denominator: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of the logits `hidden @ weight.T` (rows x vocabulary, never materialised whole) against
-    `targets` (no ignored entries)."""
+    `targets` (no ignored entries); with `denominator`, their sum over it (transformers' `num_items_in_batch`: a
+    sequence-parallel rank's share of its group's mean, 0 for no rows)."""
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, grads)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, grads, denominator or hidden.shape[0])
 
 
 class _LinearTargetLogps(torch.autograd.Function):
@@ -185,13 +189,14 @@ def fused_forward(
         input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
     )
     targets = shifted(labels) if shift_labels is None else shift_labels
+    denominator = kwargs.pop("num_items_in_batch", None)
     keep = targets != IGNORE_INDEX
     hidden = out.last_hidden_state[keep]
     head = plain_head(self)
     with gathered(head.weight):
         if target_logps:
             return TargetLogps(logps=linear_target_logps(hidden, head.weight, targets[keep]))
-        loss = linear_cross_entropy(hidden, head.weight, targets[keep])
+        loss = linear_cross_entropy(hidden, head.weight, targets[keep], int(denominator) if denominator else None)
     return CausalLMOutputWithPast(loss=loss)
 
 

@@ -14,7 +14,7 @@ from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import pack, target_count
-from pipeline.training import figures
+from pipeline.training import figures, sequence_parallel
 from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
@@ -33,10 +33,11 @@ def _to(batch: dict, device) -> dict:
 
 
 def _all_reduce_sum(values: list[float], device) -> list[float]:
+    """Summed over the data-parallel ranks (sequence parallelism: one rank per group, each holding its group's)."""
     import deepspeed.comm as dist
 
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=sequence_parallel.current().data_group)
     return tensor.tolist()
 
 
@@ -158,7 +159,8 @@ def train(
     accumulate over resumed segments, and the final checkpoint keeps the metrics."""
     import deepspeed.comm as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = sequence_parallel.current()  # the ranks of a sequence-parallel group share their rows (issue 46)
+    rank, world = layout.data_rank, layout.data_world
     micro, accumulation = schedule.micro_batch_size, schedule.accumulation
     global_size = micro * accumulation * world
     history, start, tokens, train_seconds, wall_before, peaks_before = History(), 0, 0.0, 0.0, 0.0, {}
@@ -179,7 +181,7 @@ def train(
                 engine, train_rows, needed, rank=rank, world_size=world, micro=micro, pad_id=pad_id, initial=initial
             )
     engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
-    with profiled_steps(rank=rank) as profile_step:
+    with profiled_steps(rank=dist.get_rank()) as profile_step:
         for step in range(start, schedule.max_steps):
             tick = time.perf_counter()
             batch_rows = global_batch(step, n_rows=len(train_rows), global_batch_size=global_size, seed=schedule.seed)

@@ -32,6 +32,8 @@ class Shapes:
     hidden: int
     layers: int
     heads: int
+    intermediate: int = 0  # the MLP's width (0: unknown, no tiling counted)
+    vocab: int = 0  # the head's rows (the logits where the fused loss does not apply)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,9 @@ class Setting:
     accelerator: str
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
+    tiled_mlp: bool = False  # the MLPs' intermediate activations for one tile only (kernels.tiled)
+    checkpoint_offload: bool = False  # the checkpointed layers' inputs in host memory (kernels.offloaded_checkpoints)
+    fused_loss: bool = True  # no logits kept (kernels.fused_loss); else tokens x vocabulary of them, three times
 
 
 def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
@@ -73,6 +78,8 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
         hidden=config["hidden_size"],
         layers=config["num_hidden_layers"],
         heads=config["num_attention_heads"],
+        intermediate=config.get("intermediate_size", 0),
+        vocab=vocab_rows,
     )
 
 
@@ -80,9 +87,17 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     """Bytes a rank needs on its device ("device") and, on a GPU node, in host memory ("host"; on CPU ranks both are
     the same memory, counted under "device"): docs/scaling.md's terms."""
     s, b, w = setting, setting.dtype_bytes, setting.world_size
-    activations = s.tokens * model.hidden * model.layers * ACTIVATION_BYTES[s.checkpointing] * b / 2
+    layer = ACTIVATION_BYTES[False]  # a layer's activations, per token x hidden, in bf16 bytes
+    tile = 0.0
+    if s.tiled_mlp and model.intermediate:  # gate(x), up(x) and their product: for one tile of `hidden` positions
+        layer -= min(layer - ACTIVATION_BYTES[True], 6 * model.intermediate / model.hidden)
+        tile = 3 * min(s.tokens, model.hidden) * model.intermediate * b
+    kept = s.tokens * model.hidden * model.layers * (ACTIVATION_BYTES[True] if s.checkpointing else layer) * b / 2
+    activations = tile + (0.0 if s.checkpointing and s.checkpoint_offload else kept)
     if s.checkpointing:  # the layer being recomputed holds everything a layer keeps
-        activations += s.tokens * model.hidden * ACTIVATION_BYTES[False] * b / 2
+        activations += s.tokens * model.hidden * layer * b / 2
+    if not s.fused_loss:  # the logits in the training dtype, upcast to fp32, and their gradient
+        activations += s.tokens * model.vocab * (b + 8)
     if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept
         activations += s.tokens * s.sequence * model.heads * (4 + b) * (1 if s.checkpointing else model.layers)
     optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
@@ -94,6 +109,8 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
         weights, gathered, trained = model.parameters * b, 0.0, model.trainable * b
     host = HOST_PER_RANK if s.accelerator != "cpu" else 0.0
     offloaded = (weights if s.offload_param else 0.0) + (optimizer if s.offload_optimizer else 0.0)
+    if s.checkpointing and s.checkpoint_offload:
+        host += kept
     device = INTERPRETER[s.accelerator] + weights + gathered + trained + optimizer + activations - offloaded
     return {"device": device, "host": host + offloaded}
 
@@ -105,10 +122,15 @@ def check_fits(model: Shapes, setting: Setting, *, device_bytes: float | None, h
     if _fits(need, device_bytes, host_bytes, ranks):
         return
     options = []
-    for name, change in (
+    changes = [
         ("deepspeed=zero3", {"zero_stage": 3, "offload_param": False, "offload_optimizer": False}),
         ("deepspeed=zero3_offload", {"zero_stage": 3, "offload_param": True, "offload_optimizer": True}),
-    ):
+        ("train.tiled_mlp=true", {"tiled_mlp": True}),
+        ("train.gradient_checkpointing=true", {"checkpointing": True}),
+    ]
+    if setting.accelerator == "cuda":
+        changes.append(("train.gradient_checkpointing=offload", {"checkpointing": True, "checkpoint_offload": True}))
+    for name, change in changes:
         other = replace(setting, **change)
         if other != setting and _fits(other_need := per_rank(model, other), device_bytes, host_bytes, ranks):
             options.append(f"{name} (about {other_need['device'] / 1e9:.1f} GB a rank)")
@@ -139,10 +161,14 @@ def gpu_memory() -> float | None:
     return min(values) if values else None
 
 
-def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_config: dict) -> dict[str, float]:
+def check_plan(
+    *, paths, state: dict, lora, deepspeed, launch, micro: int, ds_config: dict, tiled_mlp: bool | str, kernels: str
+) -> dict:
     """The estimate for a planned run (the micro-batch's tokens from the longest row of the dataset's first record
-    batch: nothing else of it is read), refused where it cannot fit this node; GB a rank, as the plan records it. A
-    quantized base is not estimated (its 4-bit weights are not in this model)."""
+    batch: nothing else of it is read; a sequence-parallel rank's share of them), refused where it cannot fit this
+    node; GB a rank, as the plan records it, and whether the MLPs are tiled (`tiled_mlp` auto: only where the run
+    fits with tiling and not without). A quantized base is not estimated (its 4-bit weights are not in this
+    model)."""
     import psutil
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -161,25 +187,36 @@ def check_plan(*, paths, state: dict, lora, deepspeed, launch, micro: int, ds_co
         modules_to_save=identity["modules_to_save"],
         r=identity["lora_r"],
     )
+    tied = read_json(paths.base / "config.json").get("tie_word_embeddings", False)
+    head_trained = "lm_head" in identity["modules_to_save"] or (tied and "embed_tokens" in identity["modules_to_save"])
     setting = Setting(
         zero_stage=deepspeed.stage,
         offload_param=deepspeed.offload_param,
         offload_optimizer=deepspeed.offload_optimizer,
         world_size=launch.world_size,
         dtype_bytes=module_dtype(ds_config).itemsize,
-        tokens=micro * sequence,
+        tokens=-(-micro * sequence // launch.sequence_parallel),  # a rank's shard of the micro-batch
         checkpointing=launch.gradient_checkpointing,
         accelerator=launch.accelerator,
         sequence=sequence,
         eager_attention=launch.attention == "eager",
+        tiled_mlp=tiled_mlp is True,
+        checkpoint_offload=launch.checkpoint_offload,
+        fused_loss=kernels != "off" and not (deepspeed.stage == 3 and head_trained),  # as kernels.fused_loss installs
     )
     if lora.quantization == "none":
-        device = gpu_memory() if launch.accelerator == "cuda" else None
-        check_fits(
-            model,
-            setting,
-            device_bytes=device,
-            host_bytes=psutil.virtual_memory().available,
-            ranks=launch.ranks_per_node,
-        )
-    return {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}
+        node = {
+            "device_bytes": gpu_memory() if launch.accelerator == "cuda" else None,
+            "host_bytes": psutil.virtual_memory().available,
+            "ranks": launch.ranks_per_node,
+        }
+        tiled = replace(setting, tiled_mlp=True)
+        if (
+            tiled_mlp == "auto"
+            and not _fits(per_rank(model, setting), **node)
+            and _fits(per_rank(model, tiled), **node)
+        ):
+            setting = tiled
+        check_fits(model, setting, **node)
+    estimate = {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}
+    return {**estimate, "tiled_mlp": setting.tiled_mlp}

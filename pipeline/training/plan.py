@@ -22,6 +22,7 @@ from pipeline.training import initial, memory_estimate
 from pipeline.training.ds_config import Launch
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
+from pipeline.training.sequence_parallel import check_model, check_world
 
 FILE = "plan.json"
 # Not part of a training trajectory: reporting and checkpointing, how the global batch is split into micro-batches
@@ -38,6 +39,8 @@ UNTRACKED_TRAIN_KEYS = (
     "gradient_checkpointing",
     "kernels",
     "attention",
+    "sequence_parallel",
+    "tiled_mlp",
     "init_adapter",
 )  # fmt: skip  (init_adapter: its tensors' digest is tracked instead of its path)
 
@@ -192,12 +195,14 @@ def make(
     """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
+    check_world(launch.sequence_parallel, world_size=launch.world_size, hpz_partition_size=deepspeed.hpz_partition_size)
+    check_model(launch.sequence_parallel, config=read_json(paths.base / "config.json"), attention=launch.attention)
     ds_config = dsc.build(
         zero=dsc.ZeroSettings(**deepspeed.model_dump()),
         precision=launch.precision,
         micro=train.micro_batch_size,
         accumulation=launch.gradient_accumulation_steps,
-        world_size=launch.world_size,
+        world_size=launch.data_world,  # DeepSpeed's batch: its world over the sequence-parallel size
         lr=train.lr,
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm,
@@ -212,8 +217,13 @@ def make(
         launch=launch,
         micro=train.micro_batch_size,
         ds_config=ds_config,
+        tiled_mlp=train.tiled_mlp,
+        kernels=train.kernels,
     )
     print(f"train: about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
+    if estimate["tiled_mlp"] and train.tiled_mlp == "auto":
+        print("train: the MLPs run a tile of positions at a time (train.tiled_mlp auto): the run fits only so")
+    launch = dataclasses.replace(launch, tiled_mlp=estimate["tiled_mlp"])
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})

@@ -23,9 +23,11 @@ def build_engine(plan: Plan):
 
     from pipeline import kernels
     from pipeline.core.precision import DTYPES
+    from pipeline.kernels import offloaded_checkpoints, tiled
     from pipeline.model.lora import load_lora_model, parameter_groups
     from pipeline.model.quantization import Quantization
     from pipeline.training import ds_config as dsc
+    from pipeline.training import sequence_parallel, ulysses
     from pipeline.training.schedule import lr_scheduler_factory
 
     variant, launch = plan.run_state["variant"], plan.launch
@@ -48,6 +50,13 @@ def build_engine(plan: Plan):
         attention=launch.attention,
     )
     installed = kernels.apply(model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels)
+    # long sequences (issue 46): each rank 1/N of every sequence, the MLPs in tiles, checkpoints in host memory
+    layout = sequence_parallel.initialize(launch.sequence_parallel)
+    ulysses.install(model, layout)
+    if launch.tiled_mlp:
+        installed["tiled_mlp"] = tiled.install(model, partitioned=plan.zero_stage == 3)
+    if launch.checkpoint_offload:
+        installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -55,6 +64,7 @@ def build_engine(plan: Plan):
         ),
         config=plan.ds_config,
         lr_scheduler=lr_scheduler_factory(plan.schedule),
+        mpu=sequence_parallel.mpu(layout),  # ZeRO's reductions average over the data-parallel groups
     )
     return engine, installed
 
@@ -198,7 +208,7 @@ def run(plan: Plan) -> None:
     loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     data = {split: SplitRows(plan.paths.dataset / split) for split in ("train", "validation")}
     block = len(data["train"][0]["input_ids"])
-    figures = load_figures(engine, loading)
+    figures = {**load_figures(engine, loading), "sequence_parallel": plan.launch.sequence_parallel}
     saved = resume.load(engine=engine, resume=plan.resume, seed=plan.schedule.seed)
     if saved is None and plan.init_adapter is not None:  # a fresh start from an adapter, not from B = 0
         initial.place(engine, plan.init_adapter)
