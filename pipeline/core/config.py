@@ -74,6 +74,7 @@ class DataConfig(Section):
     heldout_fraction: float = Field(gt=0.0, lt=1.0)
     validation_fraction: float = Fraction
     block_size: int = PositiveInt
+    packing: Literal["blocks", "documents"]
     tail: Literal["drop", "pad"]
     max_seq_len: int = PositiveInt
     prompt_template: str
@@ -404,7 +405,8 @@ INEFFECTIVE = (
     (lambda c: c.launcher.mode == "slurm", ("launcher.hostfile",), "launcher=slurm trains on the allocation's nodes"),
     (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
      "data.format is text (packed blocks of data.block_size tokens)"),
-    (lambda c: c.data.format != "text", ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.format != "text", ("data.block_size", "data.tail", "data.packing"), "data.format is not text"),
+    (lambda c: c.data.packing == "documents", ("data.tail",), "data.packing is documents (no stream to cut)"),
     (lambda c: c.data.heldout_file != c.data.train_file, ("data.heldout_fraction",),
      "data.heldout_file is a file of its own (the fraction applies when it is data.train_file)"),
 )  # fmt: skip

@@ -75,6 +75,27 @@ def pack_blocks(stream: np.ndarray, *, block_size: int, tail: str, pad_id: int) 
     return inputs, labels
 
 
+def document_rows(lengths: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Documents kept whole (`data.packing: documents`): where each row starts in the token stream and its length,
+    given the documents' token counts. A document of up to `block_size` tokens is one row, a longer one rows of
+    `block_size` and its rest; a rest of one token (the document's EOS) predicts nothing and is left out. And the
+    figures: rows, documents cut, tokens left out."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    firsts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pieces = -(-lengths // block_size)
+    document = np.repeat(np.arange(len(lengths)), pieces)
+    within = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    starts = firsts[document] + within * block_size
+    sizes = np.minimum(block_size, lengths[document] - within * block_size)
+    kept = sizes >= 2
+    figures = {
+        "rows": int(kept.sum()),
+        "documents_cut": int((lengths > block_size).sum()),
+        "tokens_dropped": int(sizes[~kept].sum()),
+    }
+    return starts[kept], sizes[kept], figures
+
+
 def split_indices(n: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded train/validation split of n rows; each side keeps the original order."""
     n_val = 0 if validation_fraction == 0 else max(1, round(n * validation_fraction))
@@ -363,12 +384,24 @@ def build_pretraining(
     validation_fraction: float,
     seed: int,
     token_sources: tuple[np.ndarray, int] | None = None,
+    packing: str = "blocks",
 ) -> tuple[dict[str, pa.Table], dict]:
-    """Pack documents into train/validation block tables; returns them and their statistics. With
-    `token_sources` (the source index of every token of the stream, and the number of sources), the statistics
-    also count the train split's tokens per source (`source_tokens`)."""
+    """Pack documents into train/validation block tables (`packing` documents: a row per document, `document_rows`);
+    returns them and their statistics. With `token_sources` (the source index of every token of the stream, and
+    the number of sources), the statistics also count the train split's tokens per source (`source_tokens`)."""
     stream, lengths = tokenize_documents(tokenizer, documents)
     n_docs = len(lengths)
+    if packing == "documents":
+        starts, sizes, figures = document_rows(lengths, block_size)
+        rows = [stream[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        train, val = split_indices(len(rows), validation_fraction, seed)
+        stats = {"documents": n_docs, "tokens": int(len(stream)), **figures, "train_rows": int(len(train)),
+                 "validation_rows": int(len(val)), "masked_fraction": 0.0}  # fmt: skip
+        tables = {
+            name: to_table(_take(rows, part), _take(rows, part))
+            for name, part in (("train", train), ("validation", val))
+        }
+        return tables, stats
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs, labels = pack_blocks(stream, block_size=block_size, tail=tail, pad_id=pad_id if pad_id is not None else 0)
     if len(inputs) < 1:

@@ -12,6 +12,8 @@ import pytest
 from pipeline.core.environment import free_port, with_venv_path
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.integration  # processes over gloo
+
 CASES = {"blocks", "packed_sft", "labels_on_one_shard", "one_long_row", "logits", "dpo_padded_pairs",
          "orpo_padded_pairs"}  # fmt: skip
 
