@@ -11,9 +11,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`).
 
-Two memory paths for long sequences are not speed paths and not behind the switch: the plan turns them on
-(`train.tiled_mlp`, `train.gradient_checkpointing: offload`; docs/long_context.md):
-- `tiled`: each decoder layer's MLP a tile of positions at a time (DeepSpeed ALST's TiledMLP).
+One memory path for long sequences is not a speed path and not behind the switch: the plan turns it on
+(`train.gradient_checkpointing: offload`; docs/long_context.md):
 - `offloaded_checkpoints`: activation checkpointing with each layer's kept input in host memory (GPU).
 
 `auto` installs the CPU paths on CPU ranks only, and elsewhere the device-generic ones (PyTorch operators; their

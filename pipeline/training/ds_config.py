@@ -57,7 +57,7 @@ class Launch:
     join_timeout_s: float  # launcher.join_timeout_s: the rendezvous and first all-reduce (training.world)
     sequence_parallel: int = 1  # ranks sharing each sequence (training.sequence_parallel)
     checkpoint_offload: bool = False  # checkpointed layer inputs in host memory (kernels.offloaded_checkpoints)
-    tiled_mlp: bool = False  # the MLPs a tile of positions at a time (kernels.tiled); auto is decided by the plan
+    tiled_mlp: bool = False  # the MLPs a tile of positions at a time (model.tiled_mlp); auto is decided by the plan
 
     @property
     def data_world(self) -> int:

@@ -50,7 +50,7 @@ class Setting:
     accelerator: str
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
-    tiled_mlp: bool = False  # the MLPs' intermediate activations for one tile only (kernels.tiled)
+    tiled_mlp: bool = False  # the MLPs' intermediate activations for one tile only (model.tiled_mlp)
     checkpoint_offload: bool = False  # the checkpointed layers' inputs in host memory (kernels.offloaded_checkpoints)
     fused_loss: bool = True  # no logits kept (kernels.fused_loss); else tokens x vocabulary of them, three times
 

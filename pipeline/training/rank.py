@@ -23,7 +23,8 @@ def build_engine(plan: Plan):
 
     from pipeline import kernels
     from pipeline.core.precision import DTYPES
-    from pipeline.kernels import offloaded_checkpoints, tiled
+    from pipeline.kernels import offloaded_checkpoints
+    from pipeline.model import tiled_mlp
     from pipeline.model.lora import load_lora_model, parameter_groups
     from pipeline.model.quantization import Quantization
     from pipeline.training import ds_config as dsc
@@ -54,7 +55,7 @@ def build_engine(plan: Plan):
     layout = sequence_parallel.initialize(launch.sequence_parallel)
     ulysses.install(model, layout)
     if launch.tiled_mlp:
-        installed["tiled_mlp"] = tiled.install(model, partitioned=plan.zero_stage == 3)
+        installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)
     if launch.checkpoint_offload:
         installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
     engine, *_ = deepspeed.initialize(

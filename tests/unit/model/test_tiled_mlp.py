@@ -1,10 +1,11 @@
-"""The tiled MLP (pipeline/kernels/tiled.py) on a LoRA LLaMA: the loss and every gradient of the untiled model, and
+"""The tiled MLP (pipeline/model/tiled_mlp.py) on a LoRA LLaMA: the loss and every gradient of the untiled model, and
 of DeepSpeed's TiledMLP on the same tiles (fp32, with our other kernels and without); always as many tiles as asked,
 even for fewer positions than tiles; and only the MLP's input kept for the backward pass."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from pipeline import kernels
-from pipeline.kernels import tiled
+from pipeline.model import tiled_mlp
 from pipeline.model.base_import import tiny_llama_config
 
 HIDDEN, INTERMEDIATE = 16, 64
@@ -47,7 +48,7 @@ def test_tiled_mlp_trains_as_the_whole_mlp(speed_paths, targets):
     whole = tiny_lora(targets)
     kernels.apply(whole, device="cpu", zero_stage=0, enabled=speed_paths)
     tiles = copy.deepcopy(whole)
-    assert tiled.install(tiles) == 2
+    assert tiled_mlp.install(tiles) == 2
     expected_loss, expected = step(whole)
     loss, grads = step(tiles)
     assert abs(loss - expected_loss) < 1e-6
@@ -64,7 +65,7 @@ def test_the_same_as_deepspeeds_tiled_mlp():
     params = [p for p in mlp.parameters() if p.requires_grad]
     results = []
     for run in (lambda: TiledMLP.apply(lambda m, h: m.forward(h), mlp, x, 4, params),
-                lambda: tiled._TiledMLP.apply(mlp.forward, x, 4, *params)):  # fmt: skip
+                lambda: tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, *params)):  # fmt: skip
         mlp.zero_grad()
         x.grad = None
         out = run()
@@ -82,9 +83,9 @@ def test_as_many_tiles_as_asked_even_for_few_positions():
     calls = []
     mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     x = torch.randn(1, 5, HIDDEN, requires_grad=True)
-    tiled._TiledMLP.apply(mlp.forward, x, 4).sum().backward()
+    tiled_mlp._TiledMLP.apply(mlp.forward, x, 4).sum().backward()
     assert calls == [2, 1, 1, 1] * 2  # forward, then the backward's recomputation; torch.chunk would give 3
-    assert tiled.tiles_for(70, HIDDEN) == 5 and tiled.tiles_for(3, HIDDEN) == 1
+    assert tiled_mlp.tiles_for(70, HIDDEN) == 5 and tiled_mlp.tiles_for(3, HIDDEN) == 1
 
 
 def kept_widths(forward, x: torch.Tensor) -> set[int]:
@@ -105,4 +106,23 @@ def test_only_the_input_is_kept_for_the_backward_pass():
     mlp = tiny_lora().get_base_model().model.layers[0].mlp
     x = torch.randn(1, 96, HIDDEN, requires_grad=True)
     assert INTERMEDIATE in kept_widths(mlp.forward, x)
-    assert kept_widths(lambda h: tiled._TiledMLP.apply(mlp.forward, h, 6), x) == {HIDDEN}
+    assert kept_widths(lambda h: tiled_mlp._TiledMLP.apply(mlp.forward, h, 6), x) == {HIDDEN}
+
+
+def test_long_evaluation_windows_score_the_same_in_tiles(monkeypatch):
+    """The evaluate stage's likelihood at a window of 8 tiles or more runs the MLPs in tiles (memory bounded by a
+    tile, not the window), scoring what the whole MLPs score; shorter windows are left as they are."""
+    from pipeline.evaluation.likelihood import Example, score
+
+    model = tiny_lora().eval()
+    whole = copy.deepcopy(model)
+    ids = torch.randint(1, 101, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    examples = [Example(ids, [False] + [True] * 299, 1000)]
+    assert score(model, examples, context=64, stride=32, batch_size=2).tokens == 299  # 64 < 8 tiles of 16
+    assert not isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    got = score(model, examples, context=128, stride=128, batch_size=2)
+    assert isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    monkeypatch.setattr(tiled_mlp, "LONG_WINDOW", 10**6)  # the same window, untiled
+    reference = score(whole, examples, context=128, stride=128, batch_size=2)
+    assert not isinstance(whole.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    assert got.tokens == reference.tokens == 299 and abs(got.nll - reference.nll) < 1e-5 * reference.nll

@@ -4,7 +4,7 @@ the largest part of a step's memory) exist for one tile at a time, in the forwar
 pass, which computes each tile's forward once more (one more MLP forward per step).
 
 The arithmetic is DeepSpeed's (`deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`, equal in values and
-gradients: tests/unit/kernels/test_tiled.py), with two differences: the tiles are `torch.tensor_split`'s, always as
+gradients: tests/unit/model/test_tiled_mlp.py), with two differences: the tiles are `torch.tensor_split`'s, always as
 many as asked (`torch.chunk` gives fewer for a short input, and under ZeRO-3 every rank must call the layers as
 often as the others: each call gathers their weights), and DeepSpeed need not be installed (the GPU benchmark runs
 without it). Tiles: one per `hidden size` positions (DeepSpeed's rule: a tile's intermediate activations are then
@@ -82,9 +82,20 @@ def mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def install(model: torch.nn.Module, partitioned: bool = False) -> int:
-    """Tile the MLP of every decoder layer of `model` (after the other kernels, which it wraps); how many."""
+    """Tile the MLP of every decoder layer of `model` (after the other kernels, which it wraps; once); how many."""
     hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
     found = mlps(model)
     for mlp in found:
-        mlp.forward = partial(tiled_forward, mlp, inner=mlp.forward, hidden=hidden, partitioned=partitioned)
+        if not isinstance(mlp.forward, partial) or mlp.forward.func is not tiled_forward:
+            mlp.forward = partial(tiled_forward, mlp, inner=mlp.forward, hidden=hidden, partitioned=partitioned)
     return len(found)
+
+
+LONG_WINDOW = 8  # tiles of `hidden` positions from which an evaluation window's MLPs run in tiles
+
+
+def install_for_window(model: torch.nn.Module, tokens: int) -> int:
+    """Tile the MLPs of a model that scores windows of `tokens` positions where those are long (LONG_WINDOW tiles
+    or more: their intermediate activations would otherwise be the largest thing in memory); how many."""
+    hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
+    return install(model) if tokens >= LONG_WINDOW * hidden else 0
