@@ -156,7 +156,8 @@ def run_lengths(shape: dict, lengths, *, ours: bool, budget_s: float, device: st
                "tokens_per_s": round(length / step_s, 1)}  # fmt: skip
         if cuda:
             row["peak_gpu_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-            row["estimate_gpu_memory_gb"] = round(estimate(shape, length, ours=ours)["device"] / 1e9, 2)
+        if cuda and ours:
+            row["estimate_gpu_memory_gb"] = round(estimate(shape, length)["device"] / 1e9, 2)
         row["peak_host_memory_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         rows.append(row)
         print(f"bench.long_context: {'ours' if ours else 'transformers + PEFT'} {row}", flush=True)
@@ -166,9 +167,8 @@ def run_lengths(shape: dict, lengths, *, ours: bool, budget_s: float, device: st
     return rows
 
 
-def estimate(shape: dict, length: int, *, ours: bool) -> dict[str, float]:
-    """The plan's memory estimate (training.memory_estimate) for one GPU at `length` tokens, bytes: its weights are
-    counted without an optimizer's ZeRO partitions (one rank)."""
+def estimate(shape: dict, length: int) -> dict[str, float]:
+    """The plan's memory estimate (training.memory_estimate) of our path on one GPU at `length` tokens, bytes."""
     from pipeline.training.memory_estimate import Setting, Shapes, per_rank
 
     hidden, layers, inner = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
@@ -180,8 +180,8 @@ def estimate(shape: dict, length: int, *, ours: bool) -> dict[str, float]:
                    layers=layers, heads=shape["num_attention_heads"], intermediate=inner,
                    vocab=shape["vocab_size"])  # fmt: skip
     setting = Setting(zero_stage=0, offload_param=False, offload_optimizer=False, world_size=1, dtype_bytes=2,
-                      tokens=length, checkpointing=True, accelerator="cuda", tiled_mlp=ours, checkpoint_offload=ours,
-                      fused_loss=ours)  # fmt: skip
+                      tokens=length, checkpointing=True, accelerator="cuda", tiled_mlp=True,
+                      checkpoint_offload=True)  # fmt: skip
     return per_rank(model, setting)
 
 

@@ -18,6 +18,9 @@ from pipeline.training.ds_config import LEAN_LIVE
 INTERPRETER = {"cpu": 0.53e9, "cuda": 0.5e9}  # torch + DeepSpeed + transformers on a CPU rank; a CUDA context on a GPU
 HOST_PER_RANK = 0.53e9  # the same interpreter in host memory on a GPU node
 ACTIVATION_BYTES = {False: 34, True: 2}  # per token x hidden x layer in bf16 (x2 in fp32): without/with checkpointing
+# Per token x hidden in bf16, the layer being recomputed under checkpointing (its activations and their gradients in
+# flight), its MLP in tiles: measured at 4k-128k tokens on the Llama-3-8B shape on an H200 (docs/long_context.md).
+RECOMPUTED = 40
 LIVE = {"cpu": LEAN_LIVE, "cuda": 1_000_000_000}  # ZeRO-3's gathered elements kept live (DeepSpeed's default on GPUs)
 
 
@@ -87,15 +90,16 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     """Bytes a rank needs on its device ("device") and, on a GPU node, in host memory ("host"; on CPU ranks both are
     the same memory, counted under "device"): docs/scaling.md's terms."""
     s, b, w = setting, setting.dtype_bytes, setting.world_size
-    layer = ACTIVATION_BYTES[False]  # a layer's activations, per token x hidden, in bf16 bytes
-    tile = 0.0
-    if s.tiled_mlp and model.intermediate:  # gate(x), up(x) and their product: for one tile of `hidden` positions
-        layer -= min(layer - ACTIVATION_BYTES[True], 6 * model.intermediate / model.hidden)
+    mlp, tile = 0.0, 0.0  # gate(x), up(x) and their product, per token x hidden in bf16 bytes; one tile's of them
+    if model.intermediate:
+        mlp = min(ACTIVATION_BYTES[False] - ACTIVATION_BYTES[True], 6 * model.intermediate / model.hidden)
+    if s.tiled_mlp and model.intermediate:  # those for one tile of `hidden` positions at a time
         tile = 3 * min(s.tokens, model.hidden) * model.intermediate * b
+    layer = ACTIVATION_BYTES[False] - (mlp if s.tiled_mlp else 0.0)  # what a layer keeps, per token x hidden
     kept = s.tokens * model.hidden * model.layers * (ACTIVATION_BYTES[True] if s.checkpointing else layer) * b / 2
     activations = tile + (0.0 if s.checkpointing and s.checkpoint_offload else kept)
-    if s.checkpointing:  # the layer being recomputed holds everything a layer keeps
-        activations += s.tokens * model.hidden * layer * b / 2
+    if s.checkpointing:  # the layer being recomputed: its activations and their gradients in flight
+        activations += s.tokens * model.hidden * (RECOMPUTED + (0.0 if s.tiled_mlp else mlp)) * b / 2
     if not s.fused_loss:  # the logits in the training dtype, upcast to fp32, and their gradient
         activations += s.tokens * model.vocab * (b + 8)
     if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept

@@ -80,3 +80,11 @@ def test_the_estimate_counts_the_long_sequence_paths():
     assert logits == pytest.approx(131_072 * 128_256 * 10)
     half = per_rank(LLAMA_8B, replace(long, tokens=65_536, world_size=2))
     assert half["device"] < plain["device"] - inputs / 2
+
+
+@pytest.mark.parametrize(("tokens", "measured_gb"), [(4096, 17.45), (32768, 21.99), (131072, 38.58)])
+def test_the_8b_long_sequence_path_is_estimated_within_6_percent_of_its_measured_peak(tokens, measured_gb):
+    """bench.long_context --gpu on an H200 (docs/long_context.md): one sequence, LoRA r=16 on every linear layer,
+    bf16, the fused loss, the tiled MLP, checkpoints offloaded; max_memory_allocated plus the CUDA context."""
+    setting = Setting(tokens=tokens, tiled_mlp=True, checkpoint_offload=True, **GPU)
+    assert per_rank(LLAMA_8B, setting)["device"] == pytest.approx(measured_gb * 1e9 + 0.5e9, rel=0.06)
