@@ -16,7 +16,7 @@ token with attention's extra work accounted for (`work_ratio_32k_over_4k`: the r
 
     python -m bench.long_context [--lengths 2048,8192,32768] [--budget-s 1200]
     python -m bench.long_context --gpu [--budget-s 240] [--results DIR]    # one command, about 5 minutes on an H200
-    python -m bench.long_context --smoke   # make test: the CPU mode at a tiny size, 1- and 2-way (and --gpu on CPU)
+    python -m bench.long_context --smoke   # make test: both modes at a tiny size on the CPU (1- and 2-way)
 """
 
 from __future__ import annotations
@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None) -> None:
                               dtype=dtype, peer=args.peer)  # fmt: skip
         report("long_context_gpu", {**figures, "smoke": not on_gpu}, results)
         return
+    if args.smoke:  # the GPU mode's code path too, at the smoke shape on the CPU
+        figures = gpu_figures({**SMOKE_SHAPE, "vocab_size": 512}, SMOKE_LENGTHS, budget_s=60, device="cpu",
+                              dtype=torch.float32)  # fmt: skip
+        report("long_context_gpu", {**figures, "smoke": True}, results)
     sizes = (1, 2) if args.smoke else tuple(int(n) for n in args.sizes.split(","))
     shape = SMOKE_SHAPE if args.smoke else CPU_SHAPE
     lengths = picked or (SMOKE_LENGTHS if args.smoke else CPU_LENGTHS)

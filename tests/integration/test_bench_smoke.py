@@ -42,6 +42,10 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
         "variants_merge_gap": ["nf4.against_quantized_base.max_abs_logit_diff", "int8.against_quantized_base.mean_kl"],
     },
     "gpu_train": {"gpu_train": ["tokens_per_s_per_gpu", "peak_gpu_memory_mb"]},
+    "long_context": {
+        "long_context": ["longest_trained.1", "longest_trained.2"],
+        "long_context_gpu": ["longest_trained", "peer_longest_trained"],
+    },
 }
 PEER = {  # where LLaMA-Factory's venv is built (python -m bench.llamafactory): its side's figures too
     "train": ["text_fp32.llamafactory_tokens_per_s", "chat_fp32.llamafactory_tokens_per_s", "text_fp32.speedup"],

@@ -126,3 +126,40 @@ def test_two_groups_of_two_under_zero3_train_packed_sft_rows_as_one_rank(
     train(sft_inputs, tiny_base_dir, tmp_path, [*TINY, *SFT, *ranks(4, 2, 1), "deepspeed=zero3"])
     assert_same_training(tmp_path, sft_one_rank, atol=1e-5)
     assert len(losses(tmp_path)) == 6
+
+
+def test_the_long_context_experiment_runs_at_smoke_size(tmp_path, inputs, tiny_base_dir, peoples_daily):
+    """experiment=long_context shrunk to the tiny model (4 heads: 2 ranks share each sequence, of 128 tokens): the
+    cache_dataset stage cuts the corpus into sequences of the trained length, the train stage trains them over both
+    ranks (the estimate leaving the MLPs whole: they fit), and the adapter scores windows of the trained length
+    (eval.context follows data.block_size)."""
+    from pipeline.checkpoints.consolidate import consolidate
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.evaluation.likelihood import load_model, score, text_examples
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(p + "\n" for p in peoples_daily[:400]), encoding="utf-8")
+    overrides = [
+        "experiment=long_context", "launcher.ranks_per_node=2", "train.sequence_parallel=2", "data.block_size=128",
+        f"data.train_file={corpus}", f"data.heldout_file={corpus}", "train.max_steps=2", "train.save_every=2",
+        "train.eval_every=2", "launcher.accelerator=cpu", "train.precision=fp32", "lora.r=4",
+        "lora.modules_to_save=[embed_tokens,lm_head]", "eval.stride=64",
+    ]  # fmt: skip
+    cfg = config.Config(**config.compose(REPO / "conf", ["tracking.uri=", *overrides]))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config.compose(REPO / "conf", ["tracking.uri=", *overrides])))
+    subprocess.run([
+        sys.executable, "-m", "stages.cache_dataset", "--params", str(tmp_path / "params.yaml"),
+        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(tiny_base_dir / "config.json"),
+        "--out", str(tmp_path / "dataset"), "--metrics", str(tmp_path / "dataset.json"),
+        "--run-id-file", str(tmp_path / "run.json"),
+    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
+    (tmp_path / "tokenizer").symlink_to(inputs / "tokenizer")
+    train(tmp_path, tiny_base_dir, tmp_path / "run", overrides)
+    plan = read_json(tmp_path / "run" / "checkpoints" / "plan.json")
+    assert plan["launch"]["sequence_parallel"] == 2 and plan["launch"]["tiled_mlp"] is False
+    assert plan["launch"]["gradient_checkpointing"] is True and len(losses(tmp_path / "run")) == 2
+    consolidate(checkpoint_dir=tmp_path / "run" / "checkpoints", output_dir=tmp_path / "adapter")
+    model = load_model(tiny_base_dir, tmp_path / "adapter", precision="fp32")
+    examples = text_examples(load_tokenizer(inputs / "tokenizer"), corpus, max_bytes=4000)
+    scored = score(model, examples, context=cfg.eval.context, stride=cfg.eval.stride, batch_size=cfg.eval.batch_size)
+    assert cfg.eval.context == 128 and 0 < scored.as_dict()["bits_per_byte"] < 20

@@ -88,3 +88,20 @@ def test_the_8b_long_sequence_path_is_estimated_within_6_percent_of_its_measured
     bf16, the fused loss, the tiled MLP, checkpoints offloaded; max_memory_allocated plus the CUDA context."""
     setting = Setting(tokens=tokens, tiled_mlp=True, checkpoint_offload=True, **GPU)
     assert per_rank(LLAMA_8B, setting)["device"] == pytest.approx(measured_gb * 1e9 + 0.5e9, rel=0.06)
+
+
+def test_the_long_context_experiment_passes_the_check_stage_and_a_split_smollm2_cannot_is_named():
+    """experiment=long_context on the default model: 3 ranks share each 8,192-token sequence (SmolLM2-135M's 9
+    heads, 3 key-value heads); 2 would not split its heads, which the check stage says before anything runs."""
+    from pipeline.core import assets, config
+    from stages.check import training_errors
+
+    cfg = config.Config(**config.compose(REPO / "conf", ["experiment=long_context", "launcher.accelerator=cpu"]))
+    assert (cfg.train.sequence_parallel, cfg.data.block_size, cfg.eval.context) == (3, 8192, 8192)
+    source = assets.resolve(cfg.model.path)
+    assert training_errors(cfg, source) == []
+    split2 = ["experiment=long_context", "launcher.accelerator=cpu", "launcher.ranks_per_node=2",
+              "train.sequence_parallel=2"]  # fmt: skip
+    errors = training_errors(config.Config(**config.compose(REPO / "conf", split2)), source)
+    assert errors == ["train.sequence_parallel: the model's 9 attention heads do not split over 2 ranks; expected a "
+                      "divisor of 9"]  # fmt: skip
