@@ -93,6 +93,7 @@ bench: run ## benchmarks against the tools users would otherwise use (each --smo
 	python -m bench.convert
 	python -m bench.variants
 	python -m bench.gpu_train
+	python -m bench.long_context
 
 scale-check: setup ## the whole chain on a random 3.2 B LLaMA with 2 CPU ranks under ZeRO-3 (about 20 GB of disk; its smoke mode runs in make test)
 	python -m bench.scale_check

@@ -186,16 +186,22 @@ def model_errors(cfg: config.Config) -> list[str]:
 
 
 def training_errors(cfg: config.Config, source: Path) -> list[str]:
-    """What the train stage would refuse, found now: the batch arithmetic, precision and ranks on this machine's
-    world, and LoRA targets named one by one against the model's Linear layers (read from its config or GGUF
-    header, on the meta device)."""
+    """What the train stage would refuse, found now: the batch arithmetic, precision, ranks and sequence-parallel
+    split on this machine's world, and LoRA targets named one by one against the model's Linear layers (read from
+    its config or GGUF header, on the meta device)."""
     from pipeline.launching import cluster, preflight
-    from pipeline.launching.settings import resolve_launch
+    from pipeline.launching.settings import check_world, resolve_launch
     from pipeline.model import lora, outline
+    from pipeline.training.sequence_parallel import check_model
 
     errors = []
     try:
-        resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        launch = resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        size = cfg.train.sequence_parallel
+        check_world(size, world_size=launch.world_size, hpz_partition_size=cfg.deepspeed.hpz_partition_size)
+        if size > 1:  # the heads and the attention the ranks will split
+            config = outline.meta_model(source).config.to_dict()
+            check_model(size, config=config, attention=launch.attention)
         if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:

@@ -31,6 +31,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
         max_seq_len=d.max_seq_len,
         validation_fraction=d.validation_fraction,
         seed=d.seed,
+        packing=d.packing,
     )
     assembly.check_length(packing, read_json(args.base_config)["max_position_embeddings"])
     workers = args.workers or len(os.sched_getaffinity(0))

@@ -64,6 +64,7 @@ class DataConfig(Section):
     heldout_fraction: float = Field(gt=0.0, lt=1.0)
     validation_fraction: float = Fraction
     block_size: int = PositiveInt
+    packing: Literal["blocks", "documents"]
     tail: Literal["drop", "pad"]
     max_seq_len: int = PositiveInt
     prompt_template: str
@@ -148,7 +149,9 @@ class TrainConfig(Section):
     lr_scheduler: Literal["cosine", "linear", "constant"]
     max_grad_norm: float = Field(gt=0.0)
     precision: Literal["auto", "bf16", "fp16", "fp32"]
-    gradient_checkpointing: bool | Literal["auto"]
+    gradient_checkpointing: bool | Literal["auto", "offload"]
+    sequence_parallel: int = PositiveInt
+    tiled_mlp: bool | Literal["auto"]
     attention: Literal["auto", "sdpa", "flash_attention_2", "eager"]
     kernels: Literal["auto", "off"]
     kernels_skip: list[str]
@@ -390,7 +393,9 @@ INEFFECTIVE = (
     (lambda c: c.launcher.mode == "slurm", ("launcher.hostfile",), "launcher=slurm trains on the allocation's nodes"),
     (lambda c: c.data.format == "text", ("data.max_seq_len", "data.prompt_template"),
      "data.format is text (packed blocks of data.block_size tokens)"),
-    (lambda c: c.data.format not in ("text", "auto"), ("data.block_size", "data.tail"), "data.format is not text"),
+    (lambda c: c.data.format not in ("text", "auto"), ("data.block_size", "data.tail", "data.packing"),
+     "data.format is not text"),
+    (lambda c: c.data.packing == "documents", ("data.tail",), "data.packing is documents (no stream to cut)"),
     (lambda c: c.data.format == "chat" and c.data.prompt_template != "chat", ("data.prompt_template",),
      "data.format is chat (rendered with the tokenizer's chat template)"),
     (lambda c: c.data.heldout_file != c.data.train_file, ("data.heldout_fraction",),

@@ -16,6 +16,7 @@
 - `examples`: SFT rows with prompts masked, preference pairs (two SFT examples each), as int32 arrays.
 - `parts`: a stream of items tokenized into part files by worker processes, resumably.
 - `streamed`: the training data of any size tokenized, packed, split and written, a chunk at a time.
+- `whole_documents`: `data.packing: documents`: a row per document (cut at data.block_size), not the stream cut.
 - `saved_splits`: the train/validation split written in save_to_disk's layout, read back memory-mapped by the ranks.
 - `mixing`: weighted mixes of several sources.
 - `assembly`: how the training data is packed into rows, the rows' length checked against the model's.

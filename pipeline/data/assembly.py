@@ -17,6 +17,7 @@ class Packing:
     max_seq_len: int
     validation_fraction: float
     seed: int
+    packing: str = "blocks"  # text: blocks (the stream cut) | documents (a row per document, up to block_size)
 
 
 def check_length(packing: Packing, positions: int) -> None:

@@ -21,6 +21,7 @@ from pipeline.data.inputs import data_files, estimated_items, items
 from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
+from pipeline.data.whole_documents import document_rows
 
 DENSE = 4  # a batch of rows is read as one range when the range is at most this many times the rows it holds
 
@@ -125,11 +126,16 @@ class Blocks:
 
 
 class Examples:
-    """SFT examples (variable length) read from streams of ids and labels (`lengths` tokens each, in order)."""
+    """SFT examples (variable length) read from streams of ids and labels (`lengths` tokens each, in order; or from
+    `starts` on, where rows leave tokens out between them: whole documents, `whole_documents.document_rows`)."""
 
-    def __init__(self, ids: Stream | Mixed, labels: Stream | Mixed, lengths: np.ndarray):
+    def __init__(
+        self, ids: Stream | Mixed, labels: Stream | Mixed, lengths: np.ndarray, starts: np.ndarray | None = None
+    ):
         self.ids, self.labels = ids, labels
-        self.offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if starts is None else starts.astype(np.int64)
+        self.ends = self.starts + lengths
         self.count = len(lengths)
 
     @classmethod
@@ -141,11 +147,11 @@ class Examples:
         """The ids and the labels of the examples at `indices` (sorted, not empty)."""
         ids, labels = [], []
         for run in runs(indices):
-            base = int(self.offsets[run[0]])
-            span = (base, int(self.offsets[run[-1] + 1]))
+            base = int(self.starts[run[0]])
+            span = (base, int(self.ends[run[-1]]))
             all_ids, all_labels = self.ids.read(*span), self.labels.read(*span)
             for i in run:
-                low, high = int(self.offsets[i]) - base, int(self.offsets[i + 1]) - base
+                low, high = int(self.starts[i]) - base, int(self.ends[i]) - base
                 ids.append(all_ids[low:high])
                 labels.append(all_labels[low:high])
         return ids, labels
@@ -156,11 +162,11 @@ class Examples:
 
     def tokens(self, indices: np.ndarray) -> int:
         """The tokens of the examples at `indices`."""
-        return int((self.offsets[indices + 1] - self.offsets[indices]).sum())
+        return int((self.ends[indices] - self.starts[indices]).sum())
 
     def source_tokens(self, indices: np.ndarray, counts: np.ndarray) -> None:
         for i in indices:
-            self.ids.source_tokens(int(self.offsets[i]), int(self.offsets[i + 1]), counts)
+            self.ids.source_tokens(int(self.starts[i]), int(self.ends[i]), counts)
 
 
 def list_column(pieces: list[np.ndarray]) -> pa.ListArray:
@@ -321,7 +327,13 @@ def build(
     )
     indices = [s["index"] for s in summaries]
     figures: dict = {"documents": count, "tokens": sum(s["tokens"] for s in summaries)}
-    if job.family == "text":
+    if job.family == "text" and p.packing == "documents":
+        ids = Stream([parts.array_path(work, i, "ids") for i in indices])
+        lengths = Stream([parts.array_path(work, i, "lengths") for i in indices])
+        starts, sizes, shape = document_rows(lengths.read(0, len(lengths)), p.block_size)
+        rows = Examples(ids, ids, sizes, starts=starts)
+        figures |= shape
+    elif job.family == "text":
         rows, shape = _blocks(Stream([parts.array_path(work, i, "ids") for i in indices]), p, tokenizer_dir)
         figures |= shape
     else:
@@ -342,6 +354,8 @@ def build_mix(
     mix is chosen from the items' token counts, and the rows are read across the sources' parts. Figures as
     `build`'s, plus `sources` (planned and realised shares)."""
     p = packing
+    if p.packing == "documents":
+        raise ValueError("data.packing: documents takes data.train_file; a weighted mix (data.sources) packs blocks")
     for i, source in enumerate(sources):  # every source found before any is tokenized
         mixing.check_source(source, f"data.sources.{i}")
     counts, streams, labels, lengths, summaries, seconds = [], [], [], [], [], 0.0

@@ -20,6 +20,7 @@ from pipeline.data.encoding import encode
 from pipeline.data.examples import IGNORE_INDEX
 from pipeline.data.inputs import items, resolved_format
 from pipeline.data.templates import sft_segments
+from pipeline.model import tiled_mlp
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def score(
     from tqdm import tqdm
 
     replicas = model if isinstance(model, list) else [model]
+    for replica in replicas:  # long windows (the trained length of a long-context run): memory bounded by a tile
+        tiled_mlp.install_for_window(replica, context)
     items = sorted((w for e in examples for w in windows(e, context, stride)), key=lambda w: -len(w[0]))
     batches = [items[start : start + batch_size] for start in range(0, len(items), batch_size)]
     bar = tqdm(total=len(items), desc=desc, disable=desc is None, dynamic_ncols=True)

@@ -16,6 +16,10 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
   metrics' `cpu_paths` and the tests' header.
 
+One memory path for long sequences is not a speed path and not behind the switch: the plan turns it on
+(`train.gradient_checkpointing: offload`; docs/long_context.md):
+- `offloaded_checkpoints`: activation checkpointing with each layer's kept input in host memory (GPU).
+
 `auto` installs the CPU paths on CPU ranks only, and elsewhere the device-generic ones (PyTorch operators; their
 GPU tests are marked `gpu`); `train.kernels_skip` names paths to leave out (a benchmark's previous path, or one a
 user distrusts). A rank calls `environment` before it starts (its launcher's variables), `apply` on the model before

@@ -77,11 +77,12 @@ def _kept_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """mean over rows of cross_entropy(hidden @ weight.T, targets), gradients computed in the forward pass; with
-    `weights` (0 or 1 a row) the mean over the rows weighted 1, the count kept on the device."""
+    `weights` (0 or 1 a row) the mean over the rows weighted 1, the count kept on the device; with `denominator`,
+    the sum over it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, weights, grads: bool) -> torch.Tensor:
-        n = hidden.shape[0] if weights is None else weights.sum().clamp_min(1).float()
+    def forward(ctx, hidden, weight, targets, weights, grads: bool, denominator: int | None) -> torch.Tensor:
+        n = denominator or (hidden.shape[0] if weights is None else weights.sum().clamp_min(1).float())
         grad_hidden = torch.empty_like(hidden, dtype=_kept_dtype(hidden)) if grads else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads and weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -106,17 +107,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = (grad_hidden * grad_output).to(ctx.dtypes[0])
         if grad_weight is not None:
             grad_weight = (grad_weight * grad_output).to(ctx.dtypes[1])
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    denominator: int | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of the logits `hidden @ weight.T` (rows x vocabulary, never materialised whole) against
     `targets`: over every row, or with `weights` (a 0/1 mask) over the rows weighted 1 (those weighted 0 need a
-    valid target, and cost their share of the head's work, but nothing is read back to the host)."""
+    valid target, and cost their share of the head's work, but nothing is read back to the host). With
+    `denominator`, their sum over it instead (transformers' `num_items_in_batch`: a sequence-parallel rank's share
+    of its group's mean)."""
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, grads)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, weights, grads, denominator)
 
 
 class _LinearTargetLogps(torch.autograd.Function):
@@ -202,6 +209,7 @@ def fused_forward(
         input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
     )
     targets = shifted(labels) if shift_labels is None else shift_labels
+    denominator = kwargs.pop("num_items_in_batch", None)
     keep = targets != IGNORE_INDEX
     head = plain_head(self)
     if out.last_hidden_state.device.type in SELECTED_ROWS:  # only the labelled rows
@@ -217,7 +225,7 @@ def fused_forward(
             per_position = torch.zeros(keep.shape, dtype=values.dtype, device=values.device)
             per_position[keep] = values
             return TargetLogps(logps=per_position)
-        loss = linear_cross_entropy(hidden, head.weight, rows, weights)
+        loss = linear_cross_entropy(hidden, head.weight, rows, weights, int(denominator) if denominator else None)
     return CausalLMOutputWithPast(loss=loss)
 
 

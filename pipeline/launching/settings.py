@@ -51,11 +51,19 @@ class Launch:
     world_size: int
     precision: str
     gradient_accumulation_steps: int
-    global_batch_size: int  # micro x accumulation x world size
+    global_batch_size: int  # micro x accumulation x data-parallel world (world / sequence_parallel)
     gradient_checkpointing: bool
     attention: str  # transformers' attn_implementation
     hosts: tuple[str, ...]  # node 0 first
     join_timeout_s: float  # launcher.join_timeout_s: the rendezvous and first all-reduce (launching.rendezvous)
+    sequence_parallel: int = 1  # ranks sharing each sequence (training.sequence_parallel)
+    checkpoint_offload: bool = False  # checkpointed layer inputs in host memory (kernels.offloaded_checkpoints)
+    tiled_mlp: bool = False  # the MLPs a tile of positions at a time (model.tiled_mlp); auto is decided by the plan
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel groups: the ranks of a sequence-parallel group train on the same rows."""
+        return self.world_size // self.sequence_parallel
 
 
 def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
@@ -66,12 +74,14 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
     accelerator = accelerator_name(launcher.accelerator)
     ranks = nodes.slots or ranks_on_this_node(launcher.ranks_per_node, accelerator)
     world = ranks * len(nodes.hosts)
+    data_world = check_world(train.sequence_parallel, world_size=world)
     checkpointing = train.gradient_checkpointing
     accumulation = accumulation_steps(
         train.gradient_accumulation_steps,
         global_batch=train.global_batch_size,
         micro=train.micro_batch_size,
-        world_size=world,
+        world_size=data_world,
+        sequence_parallel=train.sequence_parallel,
     )
     precision = training_precision(train.precision, accelerator)
     return Launch(
@@ -81,14 +91,33 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
         world_size=world,
         precision=precision,
         gradient_accumulation_steps=accumulation,
-        global_batch_size=train.micro_batch_size * accumulation * world,
-        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else checkpointing,
+        global_batch_size=train.micro_batch_size * accumulation * data_world,
+        gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else bool(checkpointing),
         attention=attention_implementation(
             train.attention, accelerator=accelerator, precision=precision, flash_installed=flash_attn_installed()
         ),
         hosts=nodes.hosts,
         join_timeout_s=launcher.join_timeout_s,
+        sequence_parallel=train.sequence_parallel,
+        checkpoint_offload=checkpointing == "offload" and accelerator == "cuda",
+        tiled_mlp=train.tiled_mlp is True,
     )
+
+
+def check_world(size: int, *, world_size: int, hpz_partition_size: int = 1) -> int:
+    """The data-parallel world (world / `size`): `size` must divide the world."""
+    if world_size % size:
+        divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+        raise ValueError(
+            f"train.sequence_parallel: {size} does not divide the world size ({world_size} ranks); expected one of "
+            f"{divisors}, or other ranks (launcher.ranks_per_node, launcher.num_nodes)"
+        )
+    if size > 1 and hpz_partition_size > 1:
+        raise ValueError(
+            f"deepspeed.hpz_partition_size: {hpz_partition_size} with train.sequence_parallel {size}: ZeRO++'s "
+            "secondary partition is not proven with sequence parallelism here; expected hpz_partition_size=1"
+        )
+    return world_size // size
 
 
 FLASH = "flash_attention_2"
@@ -137,28 +166,47 @@ def training_precision(requested: str, accelerator: str) -> str:
     return precision
 
 
-def accumulation_steps(requested: int | str, *, global_batch: int | str, micro: int, world_size: int) -> int:
+def accumulation_steps(
+    requested: int | str, *, global_batch: int | str, micro: int, world_size: int, sequence_parallel: int = 1
+) -> int:
     """`train.gradient_accumulation_steps`: auto is whatever makes micro x accumulation x world = the global batch
-    (1 where the global batch is auto too: then it is micro x world)."""
+    (1 where the global batch is auto too: then it is micro x world); `world_size`: the data-parallel one (the
+    world over `sequence_parallel`)."""
     if global_batch == "auto":
         return 1 if requested == "auto" else int(requested)
     if requested != "auto":
-        check_batch(global_batch, micro=micro, accumulation=int(requested), world_size=world_size)
+        check_batch(
+            global_batch,
+            micro=micro,
+            accumulation=int(requested),
+            world_size=world_size,
+            sequence_parallel=sequence_parallel,
+        )
         return int(requested)
     if global_batch % (micro * world_size):
         raise ValueError(
             f"train.global_batch_size: {global_batch} is not a multiple of train.micro_batch_size ({micro}) x "
-            f"world size ({world_size}); expected a multiple of {micro * world_size}, or other ranks"
+            f"{_world_words(world_size, sequence_parallel)}; expected a multiple of {micro * world_size}, or other "
+            "ranks"
         )
     return global_batch // (micro * world_size)
 
 
-def check_batch(train_batch_size: int | None, *, micro: int, accumulation: int, world_size: int) -> int:
-    """The global batch; a stated one must equal micro x accumulation x world size."""
+def _world_words(world_size: int, sequence_parallel: int) -> str:
+    if sequence_parallel == 1:
+        return f"world size ({world_size})"
+    return f"data-parallel world size ({world_size}: the world over train.sequence_parallel {sequence_parallel})"
+
+
+def check_batch(
+    train_batch_size: int | None, *, micro: int, accumulation: int, world_size: int, sequence_parallel: int = 1
+) -> int:
+    """The global batch; a stated one must equal micro x accumulation x (data-parallel) world size."""
     product = micro * accumulation * world_size
     if train_batch_size is not None and train_batch_size != product:
         raise ValueError(
             f"train.global_batch_size: {train_batch_size} != train.micro_batch_size ({micro}) x "
-            f"train.gradient_accumulation_steps ({accumulation}) x world size ({world_size}) = {product}"
+            f"train.gradient_accumulation_steps ({accumulation}) x {_world_words(world_size, sequence_parallel)} = "
+            f"{product}"
         )
     return product

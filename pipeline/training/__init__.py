@@ -14,6 +14,8 @@
 - `loop`: resume point to last step, in named steps: DPO's reference, train step (accumulate), validation, report,
   checkpoint.
 - `preference`: the preference objectives (DPO, SimPO, ORPO): pair batches, losses, rewards, DPO's reference.
+- `sequence_parallel`: the sequence- and data-parallel groups of a rank (`train.sequence_parallel`), the model
+  checked; `ulysses`: the model of such a rank (its shard of every micro-batch, DeepSpeed's Ulysses attention).
 - `schedule`: the data order and learning rate as pure functions of the step; `ds_config`: the DeepSpeed config
   (precision, accumulation, ZeRO), typed, built from the launch settings; `figures`: per-rank values, peak memory,
   MFU, the summary and the curve; `profile`: an opt-in torch profiler over a few steps.

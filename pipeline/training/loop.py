@@ -16,7 +16,7 @@ from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import pack, target_count
-from pipeline.training import figures
+from pipeline.training import figures, sequence_parallel
 from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
 from pipeline.training.schedule import Schedule, global_batch, micro_batch
@@ -43,12 +43,12 @@ def _to(batch: dict, device) -> dict:
 
 
 def _all_reduce_sum(values: list, device) -> list[float]:
-    """Each value (a number, or a 0-dim tensor still on the device) summed over the ranks: one all-reduce, one read
-    back to the host."""
+    """Each value (a number, or a 0-dim tensor still on the device) summed over the data-parallel ranks (sequence
+    parallelism: one rank per group, each holding its group's): one all-reduce, one read back to the host."""
     import deepspeed.comm as dist
 
     tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=sequence_parallel.current().data_group)
     return tensor.tolist()
 
 
@@ -152,7 +152,8 @@ class Reporting:
 
 @dataclass(frozen=True, kw_only=True)
 class Loop:
-    """What every step of one rank's loop uses: the engine, the rows, the schedule and objective, the rank's place."""
+    """What every step of one rank's loop uses: the engine, the rows, the schedule and objective, the rank's place
+    among the data-parallel ranks (`rank` of `world`: the ranks of a sequence-parallel group share their rows)."""
 
     engine: object
     train_rows: object
@@ -214,8 +215,10 @@ def train(
     progress = Progress.resumed(saved)
     reference = dpo_reference(loop, saved=saved, start=progress.start, fingerprint=run_state.fingerprint)
     saving = {"run_state": run_state, "directory": directory, "tokenizer_dir": tokenizer_dir, "reporting": reporting}
+    import deepspeed.comm as dist
+
     loop.engine.train()  # from_pretrained leaves the module in eval mode: no dropout, no gradient checkpointing
-    with profiled_steps(rank=loop.rank) as profile_step:
+    with profiled_steps(rank=dist.get_rank()) as profile_step:
         for step in range(progress.start + 1, schedule.max_steps + 1):  # the optimizer step each iteration ends
             record = train_step(loop, step, reference=reference, progress=progress)
             done = step == schedule.max_steps

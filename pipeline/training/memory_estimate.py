@@ -19,6 +19,9 @@ from pipeline.training.ds_config import LEAN_LIVE
 INTERPRETER = {"cpu": 0.53e9, "cuda": 0.5e9}  # torch + DeepSpeed + transformers on a CPU rank; a CUDA context on a GPU
 HOST_PER_RANK = 0.53e9  # the same interpreter in host memory on a GPU node
 ACTIVATION_BYTES = {False: 34, True: 2}  # per token x hidden x layer in bf16 (x2 in fp32): without/with checkpointing
+# Per token x hidden in bf16, the layer being recomputed under checkpointing (its activations and their gradients in
+# flight), its MLP in tiles: measured at 4k-128k tokens on the Llama-3-8B shape on an H200 (docs/long_context.md).
+RECOMPUTED = 40
 LIVE = {"cpu": LEAN_LIVE, "cuda": 1_000_000_000}  # ZeRO-3's gathered elements kept live (DeepSpeed's default on GPUs)
 
 
@@ -35,6 +38,8 @@ class Shapes:
     heads: int
     largest_lora: int = 0  # the largest LoRA tensor (ZeRO-3 keeps them whole)
     layer: int = 0  # the largest decoder layer's parameters
+    intermediate: int = 0  # the MLP's width (0: unknown, no tiling counted)
+    vocab: int = 0  # the head's rows (the logits where the fused loss does not apply)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +57,9 @@ class Setting:
     sequence: int = 0  # the longest row: with eager attention each layer keeps its score matrices
     eager_attention: bool = False
     checkpointed: int | None = None  # with checkpointing, the layers recomputed (None: all)
+    tiled_mlp: bool = False  # the MLPs' intermediate activations for one tile only (model.tiled_mlp)
+    checkpoint_offload: bool = False  # the checkpointed layers' inputs in host memory (kernels.offloaded_checkpoints)
+    fused_loss: bool = True  # no logits kept (kernels.fused_loss); else tokens x vocabulary of them, three times
 
 
 def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_save: list[str], r: int) -> Shapes:
@@ -82,6 +90,8 @@ def shapes(*, base_dir: Path, vocab_rows: int, targets: list[str], modules_to_sa
         heads=config["num_attention_heads"],
         largest_lora=largest_lora,
         layer=max(layers.values(), default=0),
+        intermediate=config.get("intermediate_size", 0),
+        vocab=vocab_rows,
     )
 
 
@@ -91,8 +101,20 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
     s, b, w = setting, setting.dtype_bytes, setting.world_size
     recomputed = (model.layers if s.checkpointed is None else s.checkpointed) if s.checkpointing else 0
     kept = model.layers - recomputed + (1 if recomputed else 0)  # the layer being recomputed keeps what a layer keeps
-    per_layer = s.tokens * model.hidden * b / 2
-    activations = per_layer * (kept * ACTIVATION_BYTES[False] + recomputed * ACTIVATION_BYTES[True])
+    per_layer = s.tokens * model.hidden * b / 2  # bytes per unit of ACTIVATION_BYTES, per layer
+    mlp, tile = 0.0, 0.0  # gate(x), up(x) and their product, per token x hidden in bf16 bytes; one tile's of them
+    if model.intermediate:
+        mlp = min(ACTIVATION_BYTES[False] - ACTIVATION_BYTES[True], 6 * model.intermediate / model.hidden)
+    if s.tiled_mlp and model.intermediate:  # those for one tile of `hidden` positions at a time
+        tile = 3 * min(s.tokens, model.hidden) * model.intermediate * b
+    layer = ACTIVATION_BYTES[False] - (mlp if s.tiled_mlp else 0.0)  # what a layer keeps, per token x hidden
+    inputs = per_layer * recomputed * ACTIVATION_BYTES[True]  # the checkpointed layers' inputs
+    activations = tile + per_layer * (model.layers - recomputed) * layer
+    activations += 0.0 if s.checkpoint_offload else inputs  # offloaded: in host memory
+    if recomputed:  # the layer being recomputed: its activations and their gradients in flight
+        activations += per_layer * (RECOMPUTED + (0.0 if s.tiled_mlp else mlp))
+    if not s.fused_loss:  # the logits in the training dtype, upcast to fp32, and their gradient
+        activations += s.tokens * model.vocab * (b + 8)
     if s.eager_attention:  # the fp32 softmax and its copy in the training dtype, per score, per layer kept
         activations += s.tokens * s.sequence * model.heads * (4 + b) * kept
     optimizer = 12 * model.trainable / (w if s.zero_stage >= 1 else 1)  # fp32 masters and Adam's two moments
@@ -104,21 +126,33 @@ def per_rank(model: Shapes, setting: Setting) -> dict[str, float]:
         weights, gathered, trained = model.parameters * b, 0.0, model.trainable * b
     host = HOST_PER_RANK if s.accelerator != "cpu" else 0.0
     offloaded = (weights if s.offload_param else 0.0) + (optimizer if s.offload_optimizer else 0.0)
+    if s.checkpoint_offload:
+        host += inputs
     device = INTERPRETER[s.accelerator] + weights + gathered + trained + optimizer + activations - offloaded
     return {"device": device, "host": host + offloaded}
 
 
 def check_fits(model: Shapes, setting: Setting, *, device_bytes: float | None, host_bytes: float, ranks: int) -> None:
     """Refuse the run where a rank's estimate exceeds its device's memory (`device_bytes`: a GPU's, None on CPU
-    ranks) or the node's ranks exceed `host_bytes`, naming the ZeRO settings that would fit."""
+    ranks) or the node's ranks exceed `host_bytes`, naming the settings that would fit."""
     need = per_rank(model, setting)
     if _fits(need, device_bytes, host_bytes, ranks):
         return
     options = []
-    for name, change in (
+    changes = [
         ("deepspeed=zero3", {"zero_stage": 3, "offload_param": False, "offload_optimizer": False}),
         ("deepspeed=zero3_offload", {"zero_stage": 3, "offload_param": True, "offload_optimizer": True}),
-    ):
+        ("train.tiled_mlp=true", {"tiled_mlp": True}),
+        ("train.gradient_checkpointing=true", {"checkpointing": True, "checkpointed": None}),
+    ]
+    if setting.accelerator == "cuda":
+        changes.append(
+            (
+                "train.gradient_checkpointing=offload",
+                {"checkpointing": True, "checkpointed": None, "checkpoint_offload": True},
+            )
+        )
+    for name, change in changes:
         other = replace(setting, **change)
         if other != setting and _fits(other_need := per_rank(model, other), device_bytes, host_bytes, ranks):
             options.append(f"{name} (about {other_need['device'] / 1e9:.1f} GB a rank)")
@@ -149,9 +183,11 @@ def gpu_memory() -> float | None:
     return min(values) if values else None
 
 
-def planned(*, paths, state, deepspeed, launch, micro: int, ds_config) -> tuple[Shapes, Setting]:
+def planned(
+    *, paths, state, deepspeed, launch, micro: int, ds_config, tiled_mlp: bool | str, kernels: str
+) -> tuple[Shapes, Setting]:
     """The model's shapes and the run's setting for a planned run (the micro-batch's tokens from the longest row of
-    the dataset's first record batch: nothing else of it is read)."""
+    the dataset's first record batch: nothing else of it is read; a sequence-parallel rank's share of them)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -168,17 +204,22 @@ def planned(*, paths, state, deepspeed, launch, micro: int, ds_config) -> tuple[
         modules_to_save=identity.modules_to_save,
         r=identity.lora_r,
     )
+    tied = read_json(paths.base / "config.json").get("tie_word_embeddings", False)
+    head_trained = "lm_head" in identity.modules_to_save or (tied and "embed_tokens" in identity.modules_to_save)
     setting = Setting(
         zero_stage=deepspeed.stage,
         offload_param=deepspeed.offload_param,
         offload_optimizer=deepspeed.offload_optimizer,
         world_size=launch.world_size,
         dtype_bytes=ds_config.module_dtype.itemsize,
-        tokens=micro * sequence,
+        tokens=-(-micro * sequence // launch.sequence_parallel),  # a rank's shard of the micro-batch
         checkpointing=launch.gradient_checkpointing,
         accelerator=launch.accelerator,
         sequence=sequence,
         eager_attention=launch.attention == "eager",
+        tiled_mlp=tiled_mlp is True,
+        checkpoint_offload=launch.checkpoint_offload,
+        fused_loss=kernels != "off" and not (deepspeed.stage == 3 and head_trained),  # as kernels.fused_loss installs
     )
     return model, setting
 
@@ -202,18 +243,28 @@ def checkpointing_choice(model: Shapes, setting: Setting, *, device_bytes: float
 
 
 def check_plan(
-    model: Shapes, setting: Setting, *, quantized: bool, device_bytes: float | None, ranks_per_node: int
-) -> dict[str, float]:
-    """The estimate for a planned run, refused where it cannot fit this node; GB a rank, as the plan records it. A
-    quantized base is not estimated (its 4-bit weights are not in this model)."""
+    model: Shapes,
+    setting: Setting,
+    *,
+    quantized: bool,
+    device_bytes: float | None,
+    ranks_per_node: int,
+    tiled_mlp: bool | str = False,
+) -> dict:
+    """The estimate for a planned run, refused where it cannot fit this node; GB a rank, as the plan records it, and
+    whether the MLPs are tiled (`tiled_mlp` auto: only where the run fits with tiling and not without). A quantized
+    base is not estimated (its 4-bit weights are not in this model)."""
     import psutil
 
     if not quantized:
-        check_fits(
-            model,
-            setting,
-            device_bytes=device_bytes,
-            host_bytes=psutil.virtual_memory().available,
-            ranks=ranks_per_node,
-        )
-    return {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}
+        node = {"device_bytes": device_bytes, "host_bytes": psutil.virtual_memory().available, "ranks": ranks_per_node}
+        tiled = replace(setting, tiled_mlp=True)
+        if (
+            tiled_mlp == "auto"
+            and not _fits(per_rank(model, setting), **node)
+            and _fits(per_rank(model, tiled), **node)
+        ):
+            setting = tiled
+        check_fits(model, setting, **node)
+    estimate = {k: round(v / 1e9, 2) for k, v in per_rank(model, setting).items()}
+    return {**estimate, "tiled_mlp": setting.tiled_mlp}

@@ -17,13 +17,14 @@ from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.log import logger
 from pipeline.data.tokenizer import META, load_tokenizer
-from pipeline.launching.settings import Launch
+from pipeline.launching.settings import Launch, check_world
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
 from pipeline.training import ds_config as dsc
 from pipeline.training import initial, memory_estimate
 from pipeline.training.preference import Objective
 from pipeline.training.schedule import Schedule
+from pipeline.training.sequence_parallel import check_model
 
 log = logger("train")
 
@@ -43,6 +44,8 @@ UNTRACKED_TRAIN_KEYS = (
     "kernels",
     "kernels_skip",
     "attention",
+    "sequence_parallel",
+    "tiled_mlp",
     "init_adapter",
 )  # fmt: skip  (init_adapter: its tensors' digest is tracked instead of its path)
 
@@ -240,6 +243,8 @@ def make(
     """The run as the ranks will carry it out, checked (targets, vocabulary, batch, precision), before any
     checkpoint is touched; its resume point is decided by `training.resume.prepare`."""
     state = run_state(paths=paths, lora=lora, train=train, zero_stage=deepspeed.stage, launch=launch)
+    check_world(launch.sequence_parallel, world_size=launch.world_size, hpz_partition_size=deepspeed.hpz_partition_size)
+    check_model(launch.sequence_parallel, config=read_json(paths.base / "config.json"), attention=launch.attention)
 
     def built(sizes: dsc.LayerSizes | None = None) -> dsc.EngineConfig:
         return dsc.EngineConfig(
@@ -247,7 +252,7 @@ def make(
             precision=launch.precision,
             micro=train.micro_batch_size,
             accumulation=launch.gradient_accumulation_steps,
-            world_size=launch.world_size,
+            world_size=launch.data_world,  # DeepSpeed's batch: its world over the sequence-parallel size
             lr=train.lr,
             weight_decay=train.weight_decay,
             max_grad_norm=train.max_grad_norm,
@@ -260,12 +265,19 @@ def make(
     skip = tuple(train.kernels_skip)  # checked here, before any launch
     kernels.chosen(device=launch.accelerator, zero_stage=deepspeed.stage, enabled=train.kernels, skip=skip)
     model, setting = memory_estimate.planned(
-        paths=paths, state=state, deepspeed=deepspeed, launch=launch, micro=train.micro_batch_size, ds_config=ds_config
+        paths=paths,
+        state=state,
+        deepspeed=deepspeed,
+        launch=launch,
+        micro=train.micro_batch_size,
+        ds_config=ds_config,
+        tiled_mlp=train.tiled_mlp,
+        kernels=train.kernels,
     )
     if deepspeed.stage == 3:
         ds_config = built(dsc.LayerSizes(largest_trained=model.largest_lora, layer=model.layer))
     device = memory_estimate.gpu_memory() if launch.accelerator == "cuda" else None
-    stated = str(launch.gradient_checkpointing).lower()
+    stated = "offload (to host memory)" if launch.checkpoint_offload else str(launch.gradient_checkpointing).lower()
     checkpointed = None
     checkpointing = "auto: off (CPU ranks)" if train.gradient_checkpointing == "auto" else f"set: {stated}"
     if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
@@ -274,10 +286,18 @@ def make(
         setting = dataclasses.replace(setting, checkpointing=checkpointed > 0, checkpointed=checkpointed)
         state = dataclasses.replace(state, launch={**state.launch, "gradient_checkpointing": checkpointed > 0})
     estimate = memory_estimate.check_plan(
-        model, setting, quantized=lora.quantization != "none", device_bytes=device, ranks_per_node=launch.ranks_per_node
+        model,
+        setting,
+        quantized=lora.quantization != "none",
+        device_bytes=device,
+        ranks_per_node=launch.ranks_per_node,
+        tiled_mlp=train.tiled_mlp,
     )
     log.info(f"about {estimate['device']:.2f} GB a rank ({launch.accelerator}), {estimate['host']:.2f} GB of host")
     log.info(f"activation checkpointing {checkpointing}")
+    if estimate["tiled_mlp"] and train.tiled_mlp == "auto":
+        log.info("the MLPs run a tile of positions at a time (train.tiled_mlp auto): the run fits only so")
+    launch = dataclasses.replace(launch, tiled_mlp=estimate["tiled_mlp"])
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})

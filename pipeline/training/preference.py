@@ -143,10 +143,13 @@ def pair_loss(
 def precomputed_reference(
     engine, rows, indices: list[int], *, rank: int, world_size: int, micro: int, pad_id: int, initial: bool = False
 ) -> dict[int, torch.Tensor]:
-    """DPO's reference log-probabilities ([2]: chosen, rejected) of the pairs at `indices`, every rank computing
-    every world_size-th micro-batch of them and all ranks receiving all (one all-reduce): the base's (the adapter
-    disabled), or with `initial` the model's as it is (before the first step: the adapter the run starts from)."""
+    """DPO's reference log-probabilities ([2]: chosen, rejected) of the pairs at `indices`, every (data-parallel) rank
+    computing every world_size-th micro-batch of them and all ranks receiving all (one all-reduce): the base's (the
+    adapter disabled), or with `initial` the model's as it is (before the first step: the adapter the run starts
+    from)."""
     import deepspeed.comm as dist
+
+    from pipeline.training import sequence_parallel
 
     table = torch.zeros(len(indices), 2, dtype=torch.float64, device=engine.device)
     mine = list(range(rank * micro, len(indices), world_size * micro))
@@ -158,7 +161,7 @@ def precomputed_reference(
             ref, _ = model_logps(engine, {k: v.to(engine.device) for k, v in batch.items()}, reference=not initial)
             table[positions] = torch.stack([ref[: len(positions)], ref[len(positions) :]], dim=1).double()
     engine.train()
-    dist.all_reduce(table)
+    dist.all_reduce(table, group=sequence_parallel.current().data_group)  # a sequence-parallel group's ranks: once
     return {index: table[k].cpu() for k, index in enumerate(indices)}
 
 

@@ -26,8 +26,11 @@ def build_engine(plan: Plan):
 
     from pipeline import kernels
     from pipeline.core.precision import DTYPES
+    from pipeline.kernels import offloaded_checkpoints
+    from pipeline.model import tiled_mlp
     from pipeline.model.lora import load_lora_model, parameter_groups, recompute_only_last
     from pipeline.model.quantization import Quantization
+    from pipeline.training import sequence_parallel, ulysses
     from pipeline.training.schedule import lr_scheduler_factory
 
     variant, launch = plan.run_state.variant, plan.launch
@@ -52,9 +55,18 @@ def build_engine(plan: Plan):
     if launch.gradient_checkpointing and plan.checkpointed_layers is not None:
         recompute_only_last(model, plan.checkpointed_layers)
     skip = tuple(plan.kernels_skip)
+    if launch.sequence_parallel > 1 or launch.tiled_mlp or launch.checkpoint_offload:
+        skip += ("compiled_layers",)  # the long-sequence paths below rewrite the layers; they are proven eager
     installed = kernels.apply(
         model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
     )
+    # long sequences (issue 46): each rank 1/N of every sequence, the MLPs in tiles, checkpoints in host memory
+    layout = sequence_parallel.initialize(launch.sequence_parallel)
+    ulysses.install(model, layout)
+    if launch.tiled_mlp:
+        installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)
+    if launch.checkpoint_offload:
+        installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -62,6 +74,7 @@ def build_engine(plan: Plan):
         ),
         config=ds_config,
         lr_scheduler=lr_scheduler_factory(plan.schedule),
+        mpu=sequence_parallel.mpu(layout),  # ZeRO's reductions average over the data-parallel groups
     )
     installed |= kernels.tune_engine(engine, enabled=plan.kernels, skip=skip)
     return engine, installed
@@ -206,19 +219,18 @@ def save_gathered(engine, path: Path | None, moments: bool = False) -> None:
 
 def run(plan: Plan) -> None:
     """Build the engine, resume, train to the plan's last step (unless the run is already finished), report."""
-    import deepspeed.comm as dist
 
     from pipeline import kernels
     from pipeline.data.saved_splits import SplitRows
     from pipeline.launching.ranks import exit_rank, leave_process_group
-    from pipeline.training import initial, loop, resume
+    from pipeline.training import initial, loop, resume, sequence_parallel
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     engine, installed = build_engine(plan)
     loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     data = {split: SplitRows(plan.paths.dataset / split) for split in ("train", "validation")}
     block = len(data["train"][0]["input_ids"])
-    figures = load_figures(engine, loading)
+    figures = {**load_figures(engine, loading), "sequence_parallel": plan.launch.sequence_parallel}
     saved = resume.load(engine=engine, resume=plan.resume, seed=plan.schedule.seed)
     if saved is None and plan.init_adapter is not None:  # a fresh start from an adapter, not from B = 0
         initial.place(engine, plan.init_adapter)
@@ -232,6 +244,7 @@ def run(plan: Plan) -> None:
     if plan.resume.finished is not None:
         metrics = {**plan.resume.finished, "history": saved["history"]}
     else:
+        layout = sequence_parallel.current()
         steps = loop.Loop(
             engine=engine,
             train_rows=data["train"],
@@ -240,8 +253,8 @@ def run(plan: Plan) -> None:
             objective=plan.objective,
             pad_id=plan.pad_token_id,
             varlen=plan.launch.attention == FLASH,
-            rank=dist.get_rank(),
-            world=dist.get_world_size(),
+            rank=layout.data_rank,  # the ranks of a sequence-parallel group share their rows (issue 46)
+            world=layout.data_world,
         )
         metrics = loop.train(
             steps,

@@ -16,6 +16,7 @@ from pipeline.data.examples import IGNORE_INDEX, sft_arrays
 from pipeline.data.mixing import Source, check_source, choose, planned_shares, report
 from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import read_data
+from pipeline.data.whole_documents import document_rows
 
 
 def pack_blocks(stream: np.ndarray, *, block_size: int, tail: str, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,12 +82,24 @@ def build_pretraining(
     validation_fraction: float,
     seed: int,
     token_sources: tuple[np.ndarray, int] | None = None,
+    packing: str = "blocks",
 ) -> tuple[dict[str, pa.Table], dict]:
-    """Pack documents into train/validation block tables; returns them and their statistics. With
-    `token_sources` (the source index of every token of the stream, and the number of sources), the statistics
-    also count the train split's tokens per source (`source_tokens`)."""
+    """Pack documents into train/validation block tables (`packing` documents: a row per document, `document_rows`);
+    returns them and their statistics. With `token_sources` (the source index of every token of the stream, and
+    the number of sources), the statistics also count the train split's tokens per source (`source_tokens`)."""
     stream, lengths = tokenize_documents(tokenizer, documents)
     n_docs = len(lengths)
+    if packing == "documents":
+        starts, sizes, figures = document_rows(lengths, block_size)
+        rows = [stream[a : a + n] for a, n in zip(starts, sizes, strict=True)]
+        train, val = split_indices(len(rows), validation_fraction, seed)
+        stats = {"documents": n_docs, "tokens": int(len(stream)), **figures, "train_rows": int(len(train)),
+                 "validation_rows": int(len(val)), "masked_fraction": 0.0}  # fmt: skip
+        tables = {
+            name: to_table(_take(rows, part), _take(rows, part))
+            for name, part in (("train", train), ("validation", val))
+        }
+        return tables, stats
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     inputs, labels = pack_blocks(stream, block_size=block_size, tail=tail, pad_id=pad_id if pad_id is not None else 0)
     if len(inputs) < 1:

@@ -44,6 +44,10 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
     "gpu_train": {  # on CPU ranks at smoke size: the previous path, the defaults, transformers + PEFT, DPO
         "gpu_train": [f"{v}.tokens_per_s" for v in ("previous", "default", "eager", "dpo")] + ["default.peak_memory_mb"]
     },
+    "long_context": {
+        "long_context": ["longest_trained.1", "longest_trained.2"],
+        "long_context_gpu": ["longest_trained", "peer_longest_trained"],
+    },
 }
 
 

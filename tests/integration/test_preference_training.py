@@ -102,6 +102,16 @@ def test_two_ranks_train_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_d
     assert_same_training(tmp_path, dpo_one_rank, atol=atol)
 
 
+def test_two_ranks_sharing_each_pair_batch_train_what_one_rank_trains(
+    tmp_path, pref_inputs, tiny_base_dir, dpo_one_rank
+):
+    """train.sequence_parallel=2, ZeRO-1: the micro-batch's padded chosen and rejected rows end to end, split over
+    both ranks; each response's log-probability gathered from both (pipeline/training/ulysses.py)."""
+    split = ["launcher.ranks_per_node=2", "train.sequence_parallel=2", "train.gradient_accumulation_steps=4"]
+    train(pref_inputs, tiny_base_dir, tmp_path, [*TINY, *DPO, *split, "deepspeed=zero1"])
+    assert_same_training(tmp_path, dpo_one_rank, atol=1e-5)
+
+
 def test_orpo_on_two_ranks_trains_what_one_rank_trains(tmp_path, pref_inputs, tiny_base_dir):
     """ORPO (no reference: the chosen response's NLL plus the odds-ratio term) through the DeepSpeed ranks."""
     orpo = [*TINY, *DPO, "train.objective=orpo", "deepspeed=zero2"]

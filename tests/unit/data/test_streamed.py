@@ -80,6 +80,35 @@ def test_text_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peo
     assert (figures["tokens_padded"] > 0) == (tail == "pad") and (figures["tokens_dropped"] > 0) == (tail == "drop")
 
 
+@pytest.mark.parametrize(("workers", "chunk_chars"), [(1, 10**9), (2, 4000)])
+def test_whole_documents_equal_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peoples_daily, workers,
+                                                   chunk_chars):  # fmt: skip
+    """data.packing=documents: a row per document, those past the block cut into blocks and their rest, every token
+    of the stream in a row but a lone last EOS; the same bytes streamed as built in memory."""
+    documents = peoples_daily[:300]
+    (tmp_path / "pd.txt").write_text("\n".join(documents) + "\n", encoding="utf-8")
+    tables, stats = build_pretraining(smol, documents, block_size=64, tail="drop", validation_fraction=0.1, seed=3,
+                                      packing="documents")  # fmt: skip
+    save_splits(tmp_path / "reference", tables)
+    pack = Packing("text", 64, "drop", "alpaca", 96, validation_fraction=0.1, seed=3, packing="documents")
+    out, figures = stream(tmp_path, smol_tokenizer_dir, tmp_path / "pd.txt", pack, workers=workers,
+                          chunk_chars=chunk_chars)  # fmt: skip
+    assert folder_bytes(out) == folder_bytes(tmp_path / "reference")
+    assert {k: figures[k] for k in stats} == pytest.approx(stats)
+    lengths = [len(ids) for table in tables.values() for ids in table.column("input_ids").to_pylist()]
+    assert max(lengths) == 64 and min(lengths) >= 2 and len(set(lengths)) > 20
+    assert stats["documents_cut"] > 0 and stats["rows"] == len(lengths)
+    assert sum(lengths) + stats["tokens_dropped"] == stats["tokens"]
+
+
+def test_document_rows_keep_documents_whole_up_to_the_block():
+    from pipeline.data.whole_documents import document_rows
+
+    starts, sizes, figures = document_rows([5, 10, 21, 1, 3], 10)  # 21 = 10 + 10 + 1: its last token left out
+    assert starts.tolist() == [0, 5, 15, 25, 37] and sizes.tolist() == [5, 10, 10, 10, 3]
+    assert figures == {"rows": 5, "documents_cut": 1, "tokens_dropped": 2}  # and the one-token document
+
+
 @pytest.mark.parametrize("template", ["alpaca", "chat"])
 def test_sft_equals_the_in_memory_build(tmp_path, smol, smol_tokenizer_dir, peoples_daily, template):
     rows = [

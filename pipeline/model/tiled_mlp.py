@@ -1,0 +1,101 @@
+"""The MLP of every decoder layer a tile of positions at a time (DeepSpeed ALST's `TiledMLP`), for one long sequence:
+autograd keeps only the MLP's input, and the intermediate activations (three of tokens x intermediate size a layer,
+the largest part of a step's memory) exist for one tile at a time, in the forward pass and again in the backward
+pass, which computes each tile's forward once more (one more MLP forward per step).
+
+The arithmetic is DeepSpeed's (`deepspeed.runtime.sequence_parallel.ulysses_sp.TiledMLP`, equal in values and
+gradients: tests/unit/model/test_tiled_mlp.py), with two differences: the tiles are `torch.tensor_split`'s, always as
+many as asked (`torch.chunk` gives fewer for a short input, and under ZeRO-3 every rank must call the layers as
+often as the others: each call gathers their weights), and DeepSpeed need not be installed (the GPU benchmark runs
+without it). Tiles: one per `hidden size` positions (DeepSpeed's rule: a tile's intermediate activations are then
+about as large as the MLP's weights); under ZeRO-3 the ranks agree on the largest count."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+
+
+class _TiledMLP(torch.autograd.Function):
+    """`mlp(x)` a tile of positions at a time, keeping only `x`; the backward pass recomputes each tile."""
+
+    @staticmethod
+    def forward(ctx, mlp, x: torch.Tensor, tiles: int, *params: torch.Tensor) -> torch.Tensor:
+        # the trained weights are inputs so that the output needs a gradient even where `x` does not (the first
+        # layer's MLP, LoRA on the MLP only, frozen embeddings); their gradients accumulate in the backward's own
+        ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        with torch.no_grad():
+            out = torch.cat([mlp(piece) for piece in flat.tensor_split(tiles)])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        flat = x.detach().reshape(-1, x.shape[-1])
+        grads = grad.reshape(-1, grad.shape[-1]).tensor_split(ctx.tiles)
+        grad_x = torch.empty_like(flat)
+        start = 0
+        for i, (piece, piece_grad) in enumerate(zip(flat.tensor_split(ctx.tiles), grads, strict=True)):
+            for param in ctx.params:  # ZeRO reduces a weight's gradient once its last tile has added to it
+                param.ds_grad_is_ready = i + 1 == ctx.tiles
+            piece = piece.requires_grad_(x.requires_grad)
+            with torch.enable_grad():
+                torch.autograd.backward(ctx.mlp(piece), piece_grad)
+            if piece.grad is not None:
+                grad_x[start : start + len(piece)] = piece.grad
+            start += len(piece)
+        return None, grad_x.view_as(x) if x.requires_grad else None, None, *(None for _ in ctx.params)
+
+
+def tiles_for(tokens: int, hidden: int) -> int:
+    """Tiles of about `hidden` positions each."""
+    return max(1, math.ceil(tokens / hidden))
+
+
+def tiled_forward(self, x: torch.Tensor, *, inner, hidden: int, partitioned: bool) -> torch.Tensor:
+    """An MLP's forward (its stock one: `inner`) over tiles of `x`'s positions."""
+    tiles = tiles_for(x.numel() // x.shape[-1], hidden)
+    if partitioned:  # ZeRO-3: every rank calls the layers the same number of times
+        import deepspeed.comm as dist
+
+        agreed = torch.tensor([tiles], device=x.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        tiles = int(agreed)
+    if tiles == 1:
+        return inner(x)
+    if not torch.is_grad_enabled():
+        pieces = x.reshape(-1, x.shape[-1]).tensor_split(tiles)
+        return torch.cat([inner(piece) for piece in pieces]).view(*x.shape[:-1], -1)
+    params = [p for p in self.parameters() if p.requires_grad]
+    return _TiledMLP.apply(inner, x, tiles, *params)
+
+
+def mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MLP of each decoder layer of the causal LM inside `model` (a PEFT model or the LM)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(lm.get_decoder(), "layers", ())
+    return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), torch.nn.Module)]
+
+
+def install(model: torch.nn.Module, partitioned: bool = False) -> int:
+    """Tile the MLP of every decoder layer of `model` (after the other kernels, which it wraps; once); how many."""
+    hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
+    found = mlps(model)
+    for mlp in found:
+        if not isinstance(mlp.forward, partial) or mlp.forward.func is not tiled_forward:
+            mlp.forward = partial(tiled_forward, mlp, inner=mlp.forward, hidden=hidden, partitioned=partitioned)
+    return len(found)
+
+
+LONG_WINDOW = 8  # tiles of `hidden` positions from which an evaluation window's MLPs run in tiles
+
+
+def install_for_window(model: torch.nn.Module, tokens: int) -> int:
+    """Tile the MLPs of a model that scores windows of `tokens` positions where those are long (LONG_WINDOW tiles
+    or more: their intermediate activations would otherwise be the largest thing in memory); how many."""
+    hidden = (model.get_base_model() if hasattr(model, "get_base_model") else model).config.hidden_size
+    return install(model) if tokens >= LONG_WINDOW * hidden else 0

@@ -1,0 +1,50 @@
+"""Training steps (forward and backward) of a tiny LoRA LLaMA on one sequence of each of `--tokens` lengths (in that
+order), as a rank trains a long sequence on a CPU (the kernels, the tiled MLP); prints the process's peak resident
+memory (MB) before the first step and after each, for tests/integration/test_long_sequence_memory.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+
+import torch
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", required=True)
+    args = parser.parse_args()
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from pipeline import kernels
+    from pipeline.model import tiled_mlp
+    from tests.helpers.tiny_model import tiny_llama_config
+
+    torch.manual_seed(0)
+    shape = {"hidden_size": 16, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1,
+             "num_key_value_heads": 1, "tie_word_embeddings": False}  # fmt: skip
+    shape["max_position_embeddings"] = max(args.tokens)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=512, **shape))
+    model.config.use_cache = False
+    model.set_attn_implementation("sdpa")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    kernels.apply(model, device="cpu", zero_stage=0, enabled="auto")
+    tiled_mlp.install(model)
+    model.train()
+    peaks = [peak_mb()]
+    for tokens in args.tokens:
+        ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(tokens))
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        peaks.append(peak_mb())
+    print(json.dumps({"tokens": args.tokens, "peaks_mb": peaks}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The tiled MLP (pipeline/model/tiled_mlp.py) on a LoRA LLaMA: the loss and every gradient of the untiled model, and
+of DeepSpeed's TiledMLP on the same tiles (fp32, with our other kernels and without); always as many tiles as asked,
+even for fewer positions than tiles; and only the MLP's input kept for the backward pass."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+from pipeline import kernels
+from pipeline.model import tiled_mlp
+from tests.helpers.tiny_model import tiny_llama_config
+
+HIDDEN, INTERMEDIATE = 16, 64
+
+
+def tiny_lora(targets: tuple[str, ...] = ("q_proj", "gate_proj", "up_proj", "down_proj")) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=101, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                               tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.config.use_cache = False
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets))
+    model = get_peft_model(model, lora)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    return model.train()
+
+
+def step(model, tokens: int = 70) -> tuple[float, dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 101, (1, tokens), generator=torch.Generator().manual_seed(1))
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("speed_paths", ["off", "auto"])
+@pytest.mark.parametrize("targets", [("q_proj", "gate_proj", "up_proj", "down_proj"), ("gate_proj", "down_proj")])
+def test_tiled_mlp_trains_as_the_whole_mlp(speed_paths, targets):
+    """Also with LoRA on the MLP only: the first layer's MLP input then needs no gradient, its weights do."""
+    whole = tiny_lora(targets)
+    kernels.apply(whole, device="cpu", zero_stage=0, enabled=speed_paths)
+    tiles = copy.deepcopy(whole)
+    assert tiled_mlp.install(tiles) == 2
+    expected_loss, expected = step(whole)
+    loss, grads = step(tiles)
+    assert abs(loss - expected_loss) < 1e-6
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_same_as_deepspeeds_tiled_mlp():
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    mlp = tiny_lora().get_base_model().model.layers[0].mlp
+    x = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    grad = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(3))
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    results = []
+    for run in (lambda: TiledMLP.apply(lambda m, h: m.forward(h), mlp, x, 4, params),
+                lambda: tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, *params)):  # fmt: skip
+        mlp.zero_grad()
+        x.grad = None
+        out = run()
+        out.backward(grad)
+        results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in params]))
+    (out_ds, x_ds, p_ds), (out, x_grad, p_grads) = results
+    torch.testing.assert_close(out, out_ds, atol=0, rtol=0)
+    torch.testing.assert_close(x_grad, x_ds, atol=1e-7, rtol=1e-6)
+    for ours, theirs in zip(p_grads, p_ds, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-6)
+
+
+def test_as_many_tiles_as_asked_even_for_few_positions():
+    mlp = tiny_lora().get_base_model().model.layers[0].mlp
+    calls = []
+    mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    x = torch.randn(1, 5, HIDDEN, requires_grad=True)
+    tiled_mlp._TiledMLP.apply(mlp.forward, x, 4).sum().backward()
+    assert calls == [2, 1, 1, 1] * 2  # forward, then the backward's recomputation; torch.chunk would give 3
+    assert tiled_mlp.tiles_for(70, HIDDEN) == 5 and tiled_mlp.tiles_for(3, HIDDEN) == 1
+
+
+def kept_widths(forward, x: torch.Tensor) -> set[int]:
+    """The last dimension of every (1, positions, width) tensor autograd keeps for the backward pass of `forward(x)`."""
+    widths = set()
+
+    def keep(tensor):
+        if tensor.dim() == 3 and tensor.shape[1] == x.shape[1]:
+            widths.add(tensor.shape[-1])
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        forward(x)
+    return widths
+
+
+def test_only_the_input_is_kept_for_the_backward_pass():
+    mlp = tiny_lora().get_base_model().model.layers[0].mlp
+    x = torch.randn(1, 96, HIDDEN, requires_grad=True)
+    assert INTERMEDIATE in kept_widths(mlp.forward, x)
+    assert kept_widths(lambda h: tiled_mlp._TiledMLP.apply(mlp.forward, h, 6), x) == {HIDDEN}
+
+
+def test_long_evaluation_windows_score_the_same_in_tiles(monkeypatch):
+    """The evaluate stage's likelihood at a window of 8 tiles or more runs the MLPs in tiles (memory bounded by a
+    tile, not the window), scoring what the whole MLPs score; shorter windows are left as they are."""
+    from pipeline.evaluation.likelihood import Example, score
+
+    model = tiny_lora().eval()
+    whole = copy.deepcopy(model)
+    ids = torch.randint(1, 101, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    examples = [Example(ids, [False] + [True] * 299, 1000)]
+    assert score(model, examples, context=64, stride=32, batch_size=2).tokens == 299  # 64 < 8 tiles of 16
+    assert not isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    got = score(model, examples, context=128, stride=128, batch_size=2)
+    assert isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    monkeypatch.setattr(tiled_mlp, "LONG_WINDOW", 10**6)  # the same window, untiled
+    reference = score(whole, examples, context=128, stride=128, batch_size=2)
+    assert not isinstance(whole.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    assert got.tokens == reference.tokens == 299 and abs(got.nll - reference.nll) < 1e-5 * reference.nll
