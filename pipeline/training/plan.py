@@ -298,6 +298,7 @@ def make(
     if estimate["tiled_mlp"] and train.tiled_mlp == "auto":
         log.info("the MLPs run a tile of positions at a time (train.tiled_mlp auto): the run fits only so")
     launch = dataclasses.replace(launch, tiled_mlp=estimate["tiled_mlp"])
+    state = dataclasses.replace(state, launch={**state.launch, "tiled_mlp": launch.tiled_mlp})
     tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})

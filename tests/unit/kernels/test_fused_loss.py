@@ -115,6 +115,23 @@ def test_shifted_labels_and_plain_forward():
     )
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["selected_rows", "masked_rows"])
+def test_a_stated_denominator_gives_transformers_sum_over_it(masked, monkeypatch):
+    """`num_items_in_batch` (what a sequence-parallel rank passes: its group's labelled tokens) divides the sum, as
+    transformers' loss does, on both paths (the masked rows': a GPU's, forced on the CPU); gradients too."""
+    if masked:
+        monkeypatch.setattr(fused_loss, "SELECTED_ROWS", ())
+    reference = tiny_lora(["lm_head"])
+    fused = copy.deepcopy(reference)
+    fused_loss.install(fused)
+    inputs = {**batch(), "num_items_in_batch": 100}  # more than this micro-batch's labelled tokens
+    want, want_grads = loss_and_grads(reference, inputs)
+    got, got_grads = loss_and_grads(fused, inputs)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 def test_packed_rows_equal_padded_batch():
     """SFT rows of several lengths packed end to end (positions restarting, no row seeing another) give the padded
     batch's loss and gradients, through the fused loss and through transformers' own."""
