@@ -44,6 +44,7 @@ def build(
     global_batch: int | None = None,
     accelerator: str = "cpu",
     sizes: LayerSizes | None = None,
+    sequence_parallel: int = 1,
 ) -> dict:
     """A DeepSpeed config dict (AdamW from DeepSpeed; the LR schedule is the client's) for ranks on `accelerator`. On
     CPU ranks, where memory is what runs out, ZeRO-3 keeps at most 1e8 gathered parameter elements live instead of
@@ -96,6 +97,8 @@ def build(
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2}
     if zero.offload_optimizer:
         del config["optimizer"]["params"]["torch_adam"]  # offload uses DeepSpeedCPUAdam
+    if sequence_parallel > 1:  # `world_size` is the data-parallel one: ZeRO-3's zero.Init (no mpu) reads it so
+        config["sequence_parallel_size"] = sequence_parallel
     return config
 
 
@@ -114,6 +117,7 @@ class EngineConfig:
     global_batch: int | None = None
     accelerator: str = "cpu"
     sizes: LayerSizes | None = None  # ZeRO-3: the model's sizes its settings follow
+    sequence_parallel: int = 1  # ranks sharing each sequence: `world_size` is the world over them
 
     def __post_init__(self) -> None:
         self.as_dict()  # refused now, not when an engine is built

@@ -259,6 +259,7 @@ def make(
             global_batch=launch.global_batch_size,
             accelerator=launch.accelerator,
             sizes=sizes,
+            sequence_parallel=launch.sequence_parallel,
         )
 
     ds_config = built()

@@ -33,3 +33,24 @@ def test_hierarchical_partitioning_is_set_for_zero3_within_the_world():
         build(zero=ZeroSettings(stage=3, hpz_partition_size=8), world_size=12, **common)
     with pytest.raises(ValueError, match="deepspeed.hpz_partition_size: needs deepspeed.stage=3, got stage=2"):
         config.Config(**config.compose(REPO / "conf", ["deepspeed.hpz_partition_size=8"]))
+
+
+def test_a_sequence_parallel_config_says_its_batch_is_over_the_data_parallel_world():
+    """4 ranks in groups of 2 sharing each sequence: the batch is micro x accumulation x 2, and the config carries the
+    split, so that ZeRO-3's zero.Init (which DeepSpeed gives no mpu) divides the world as the engine does."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from pipeline.training.ds_config import ZeroSettings, build
+
+    common = {"precision": "fp32", "micro": 2, "accumulation": 1, "lr": 1e-4, "weight_decay": 0.0, "max_grad_norm": 1.0}
+    plain = build(zero=ZeroSettings(stage=3), world_size=4, **common)
+    split = build(zero=ZeroSettings(stage=3), world_size=2, sequence_parallel=2, **common)
+    assert "sequence_parallel_size" not in plain and split["sequence_parallel_size"] == 2
+    assert split["train_batch_size"] == 4
+    import deepspeed.comm as dist
+
+    world = {"get_rank": lambda: 0, "get_world_size": lambda group=None: 4}  # DeepSpeedConfig asks the world's size
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in world.items():
+            patch.setattr(dist, name, value)
+        assert DeepSpeedConfig(split).world_size == 2
