@@ -37,7 +37,7 @@ import yaml
 from bench.common import report, results_folder, smoke_arguments, smoke_project
 from bench.scale_check import SMOKE_SHAPE, write_random_llama
 from pipeline.core import config
-from pipeline.core.atomic import read_json
+from pipeline.core.atomic import read_json, write_json
 from pipeline.core.environment import with_venv_path
 from pipeline.training.figures import peak_tflops
 from pipeline.training.profile import SUMMARY
@@ -163,8 +163,9 @@ def eager_worker(base: Path, block: int, steps: int, device: str) -> None:
     print(json.dumps({"tokens_per_s": block * (steps - 1) / sum(seconds[1:]), "peak_gpu_memory_mb": peak}))
 
 
-def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, corpus: Path, smoke: bool) -> dict:
-    """Every variant in `work` (the random model written once, kept there for a later call): their figures."""
+def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, corpus: Path, smoke: bool, keep) -> dict:
+    """Every variant in `work` (the random model written once, kept there for a later call): their figures, handed
+    to `keep` after each variant (a GPU window that closes mid-run keeps what it measured)."""
     accelerator = "cpu" if smoke else "cuda"
     shape, block = (SMOKE_SHAPE, SMOKE_BLOCK) if smoke else (SHAPE, BLOCK)
     base = work / "base"
@@ -180,6 +181,7 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
     for name in variants:
         if name == "eager":
             figures[name] = eager_rate(base=base, block=block, steps=min(steps, 10), device=accelerator)
+            keep(figures)
             continue
         settings, data = VARIANTS[name]
         extra = [f"data.train_file={pairs}", f"data.heldout_file={pairs}", "data.format=preference",
@@ -189,7 +191,7 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
         run = [*shared, *extra, *settings, f"train.max_steps={step_count}", f"train.eval_every={step_count}",
                f"train.save_every={step_count}"]  # fmt: skip
         figures[name] = train(work=work, name=name, base=base, tokenizer=tokenizer, settings=run, profile=not smoke)
-        print(f"gpu_train: {name}: {json.dumps(figures[name])}", flush=True)
+        keep(figures)
     return figures
 
 
@@ -242,9 +244,16 @@ def main(argv: list[str] | None = None) -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         steps = SMOKE_STEPS if args.smoke else args.steps
+        results.mkdir(parents=True, exist_ok=True)
+
+        def keep(figures: dict) -> None:
+            latest = [name for name in figures if isinstance(figures[name], dict)][-1]
+            print(f"gpu_train: {latest}: {json.dumps(figures[latest])}", flush=True)
+            write_json(results / f"{args.name}.json", {**figures, **ratios(figures), "partial": True})
+
         figures = measure(
             work=work, variants=variants, steps=steps, tokenizer=project / args.tokenizer,
-            corpus=project / args.corpus, smoke=args.smoke,
+            corpus=project / args.corpus, smoke=args.smoke, keep=keep,
         )  # fmt: skip
     report(args.name, {**figures, **ratios(figures), **({"smoke": True} if args.smoke else {})}, results)
 

@@ -18,6 +18,13 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 CI = os.environ.get("CI") == "true"
+FORCED_PATHS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
+# PyTorch's compile cache (/tmp/torchinductor_USER) does not key its entries by ATEN_CPU_CAPABILITY: a layer compiled
+# on the CPU's own path and loaded again under a forced avx2 path computed NaN (torch 2.13). One cache a path set.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    str(Path("/tmp") / f"torchinductor_{os.getuid()}" / "-".join(os.environ.get(v, "native") for v in FORCED_PATHS)),
+)
 
 
 @pytest.hookimpl(tryfirst=True)
