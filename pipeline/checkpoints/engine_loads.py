@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.pickle_allowlist import StandIn
+from pipeline.checkpoints.unpickler import brief
 
 LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 NUMBER, INT, FLAG = (int, float, type(None)), (int, type(None)), (bool, type(None))
@@ -68,7 +69,7 @@ def loss_scaler(stand_in: StandIn, path: Path):
         expected = (torch.dtype,) if name == "dtype" else LOSS_SCALER_FIELDS.get(name)
         if cls is None or expected is None or type(value) not in expected:
             raise safe_pickle.UnsafePickle(
-                f"{path}: refused: {stand_in.pickled_as} with field {name}={str(value)[:40]} (DeepSpeed's loss "
+                f"{path}: refused: {stand_in.pickled_as} with field {name}={brief(value)} (DeepSpeed's loss "
                 f"scalers hold {sorted(LOSS_SCALER_FIELDS)} and dtype, numbers and flags only); {safe_pickle.HINT}"
             )
     revived = cls.__new__(cls)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoints import pickle_allowlist
-from pipeline.checkpoints.unpickler import Machine, Malformed, Refused
+from pipeline.checkpoints.unpickler import Machine, Malformed, Refused, brief
 
 TRUSTED = contextvars.ContextVar("trust_pickles", default=False)  # --trust-pickles of the CLI commands
 HINT = (
@@ -115,7 +115,7 @@ def _is_zip(path: Path) -> bool:
 def _storage_id(pid: object, size: int) -> tuple[pickle_allowlist.StorageKind, str, str, int]:
     """The (kind, key, location, numel) of a persistent id of `size` fields as torch writes them."""
     if type(pid) is not tuple or len(pid) != size or pid[0] != "storage":
-        raise Refused(f"a persistent id that is not one of torch's storages ({str(pid)[:80]})")
+        raise Refused(f"a persistent id that is not one of torch's storages ({brief(pid)})")
     _, kind, key, location, numel = pid[:5]
     if not isinstance(kind, pickle_allowlist.StorageKind):
         raise Refused("a persistent id whose storage type is not one of torch's")

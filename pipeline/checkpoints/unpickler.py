@@ -35,6 +35,18 @@ class Malformed(ValueError):
     """The pickle stream is damaged (truncated, inconsistent, unknown opcode)."""
 
 
+def brief(value: object, *, depth: int = 2) -> str:
+    """A short description of an unpickled value for a refusal message: plain scalars shown (cut), containers to
+    `depth`, anything else by its type's name only. Never the object's own str or repr: a crafted file can put a
+    large tensor there (its str took 20 s in the fuzzer) or an object whose repr runs code."""
+    if type(value) in (str, bytes, int, float, bool) or value is None:
+        return repr(value)[:40]
+    if type(value) in (tuple, list) and depth > 0:
+        items = ", ".join(brief(v, depth=depth - 1) for v in value[:6])
+        return f"({items}{', ...' if len(value) > 6 else ''})"
+    return type(value).__name__
+
+
 @dataclass(frozen=True, eq=False)
 class Callee:
     """A global a pickle may call: `reduce(*args)` for REDUCE, `new(*args, **kwargs)` for NEWOBJ(_EX); either

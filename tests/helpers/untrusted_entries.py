@@ -74,9 +74,13 @@ def resume(directory: Path, resume_from: Path | None, world_size: int) -> Callab
     from pipeline.checkpoints import folder
     from pipeline.core.errors import guarded
     from pipeline.training import resume as resume_module
+    from pipeline.training.plan import Identity, RunState, Variant
 
-    source = resume_from or directory
-    state = {**folder.read_state(source, TAG), "world_size": world_size}
+    saved = folder.read_state(resume_from or directory, TAG)
+    state = RunState(
+        fingerprint=saved["fingerprint"], identity=Identity(**saved["identity"]), world_size=world_size,
+        zero_stage=saved["zero_stage"], launch=saved["launch"], variant=Variant(**saved["variant"]),
+    )  # fmt: skip
 
     def prepare() -> None:
         resume_module.prepare(directory=directory, state=state, resume_from=resume_from, convert=True)

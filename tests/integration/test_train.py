@@ -83,8 +83,10 @@ def test_kernels_off_trains_as_auto_with_stock_layers(tmp_path, inputs, tiny_bas
     assert_same_training(tmp_path, two_ranks_zero2, atol=1e-5)
     off, auto = read_json(tmp_path / "metrics.json"), read_json(two_ranks_zero2 / "metrics.json")
     assert off["kernels"] == {}
-    assert auto["kernels"].keys() == {"lean_layers", "fused_loss", "lora_linear", "linear", "attention", "allocator"}
+    paths = {"lean_layers", "fused_loss", "lora_linear", "linear", "attention", "allocator", "zero_tail"}
+    assert auto["kernels"].keys() == paths
     assert auto["kernels"]["fused_loss"] == auto["kernels"]["attention"] == auto["kernels"]["allocator"] == 1
+    assert auto["kernels"]["zero_tail"] == 1, "ZeRO-2's step tail fused (DeepSpeed's own under kernels=off)"
     assert auto["kernels"]["lora_linear"] > 0
     # the ranks ran on this process's CPU paths (forced ones included) and say so; with `off`, no C++ kernels
     assert auto["cpu_paths"] == describe(kernels=True)
