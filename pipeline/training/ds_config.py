@@ -59,6 +59,8 @@ def build(
         section.update(reduce_scatter=True)
     if zero.stage == 3:
         section.update(stage3_gather_16bit_weights_on_model_save=False)
+        if sequence_parallel > 1:  # the reduction training.sequence_parallel's gradient scale is for
+            section.update(reduce_scatter=True)
         if zero.hpz_partition_size > 1:  # ZeRO++: a secondary copy of the parameters within each group of ranks
             if world_size % zero.hpz_partition_size:
                 raise ValueError(

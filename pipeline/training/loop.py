@@ -272,6 +272,7 @@ def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> 
     engine, micro = loop.engine, loop.schedule.micro_batch_size
     loss_sum, step_tokens = torch.zeros((), device=engine.device), 0
     sums = dict.fromkeys(STATS if loop.objective.kind != "lm" else (), 0.0)
+    scale = sequence_parallel.current().gradient_scale  # ZeRO-3 under sequence parallelism: see that module
     for index in range(loop.schedule.accumulation):
         indices = micro_batch(batch_rows, rank=loop.rank, world_size=loop.world, micro=micro, index=index)
         rows = [loop.train_rows[i] for i in indices]
@@ -279,7 +280,7 @@ def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> 
         loss, row_tokens, stats = _forward(
             engine, rows, pad_id=loop.pad_id, varlen=loop.varlen, objective=loop.objective, reference=known
         )
-        engine.backward(loss)
+        engine.backward(loss if scale == 1 else loss * scale)
         engine.step()
         loss_sum += loss.detach().float()
         step_tokens += row_tokens

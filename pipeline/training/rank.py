@@ -61,7 +61,7 @@ def build_engine(plan: Plan):
         model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
     )
     # long sequences (issue 46): each rank 1/N of every sequence, the MLPs in tiles, checkpoints in host memory
-    layout = sequence_parallel.initialize(launch.sequence_parallel)
+    layout = sequence_parallel.initialize(launch.sequence_parallel, zero_stage=plan.zero_stage)
     ulysses.install(model, layout)
     if launch.tiled_mlp:
         installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)

@@ -2,7 +2,10 @@
 ranks train on the same micro-batch, each holding 1/N of its sequence (pipeline.training.ulysses); attention
 exchanges sequence shards for head shards and back. The world is world / N data-parallel groups: the schedule gives
 each group its rows, and ZeRO partitions and reduces over every rank, each rank's gradient being its share of its
-group's (DeepSpeed divides the sum by world / N, given the groups as its `mpu`).
+group's (DeepSpeed divides the sum by world / N, given the groups as its `mpu`). ZeRO-3 divides it by the whole
+world instead (its reduce-scatter averages over all the ranks it reduces over, sequence-parallel or not: DeepSpeed
+0.19's `__avg_scatter_grads`), so under ZeRO-3 each rank's loss is multiplied by N in its backward
+(`Layout.gradient_scale`).
 
 What cannot work is refused before a launch (`launching.settings.check_world`: a world N does not divide;
 `check_model`): attention heads N does not split, an attention that needs a whole-sequence mask, a sliding window."""
@@ -57,14 +60,16 @@ class Layout:
     data_rank: int = 0
     data_world: int = 1
     data_group: object = None  # None: the whole world
+    gradient_scale: int = 1  # what the loss is multiplied by in the backward (ZeRO-3: `size`; see the module)
 
 
 _LAYOUT: Layout | None = None  # this process's, once `initialize` has run (DeepSpeed keeps its groups globally too)
 
 
-def initialize(size: int) -> Layout:
+def initialize(size: int, *, zero_stage: int) -> Layout:
     """Form this rank's groups (a collective: every rank calls it, after deepspeed.init_distributed): DeepSpeed's
-    sequence-parallel groups of `size` consecutive ranks, and the data-parallel groups across them."""
+    sequence-parallel groups of `size` consecutive ranks, and the data-parallel groups across them; under ZeRO
+    `zero_stage` 3 the gradient's scale that makes the reduced gradient the data-parallel groups' mean."""
     import deepspeed.comm as dist
 
     global _LAYOUT
@@ -86,6 +91,7 @@ def initialize(size: int) -> Layout:
         data_rank=rank // size,
         data_world=world // size,
         data_group=data_group,
+        gradient_scale=size if zero_stage == 3 else 1,
     )
     return _LAYOUT
 

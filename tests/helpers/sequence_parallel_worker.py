@@ -107,7 +107,7 @@ def main() -> None:
     from pipeline.training import sequence_parallel, ulysses
 
     deepspeed.init_distributed(dist_backend="gloo")
-    layout = sequence_parallel.initialize(args.size)
+    layout = sequence_parallel.initialize(args.size, zero_stage=0)
     results = []
     for kernels in ("off", "auto"):
         plain, split = lora_model(kernels), lora_model(kernels)

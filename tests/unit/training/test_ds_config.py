@@ -46,6 +46,7 @@ def test_a_sequence_parallel_config_says_its_batch_is_over_the_data_parallel_wor
     plain = build(zero=ZeroSettings(stage=3), world_size=4, **common)
     split = build(zero=ZeroSettings(stage=3), world_size=2, sequence_parallel=2, **common)
     assert "sequence_parallel_size" not in plain and split["sequence_parallel_size"] == 2
+    assert split["zero_optimization"]["reduce_scatter"] is True  # the reduction Layout.gradient_scale corrects
     assert split["train_batch_size"] == 4
     import deepspeed.comm as dist
 
