@@ -153,7 +153,11 @@ def sharded_forward(
     common = {"input_ids": local["ids"], "position_ids": local["positions"], **kwargs}
     if target_logps:
         out = inner(shift_labels=local["targets"], target_logps=True, **common)
-        return type(out)(logps=gathered(out.logps, layout))
+        # the fused head gives rows x positions (0 where a label does not count): here one row, the shard; the
+        # whole sequence's positions gathered, then cut back into the micro-batch's rows
+        n_rows, width = whole.shape
+        logps = gathered(out.logps[0], layout)[: n_rows * width]
+        return type(out)(logps=logps.view(n_rows, width))
     if targets is not None:
         counted = max(int((whole.targets != IGNORE_INDEX).sum()), 1)
         out = inner(labels=local["targets"], shift_labels=local["targets"], num_items_in_batch=counted, **common)
