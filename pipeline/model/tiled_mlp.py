@@ -22,9 +22,12 @@ class _TiledMLP(torch.autograd.Function):
     """`mlp(x)` a tile of positions at a time, keeping only `x`; the backward pass recomputes each tile."""
 
     @staticmethod
-    def forward(ctx, mlp, x: torch.Tensor, tiles: int, *params: torch.Tensor) -> torch.Tensor:
-        # the trained weights are inputs so that the output needs a gradient even where `x` does not (the first
-        # layer's MLP, LoRA on the MLP only, frozen embeddings); their gradients accumulate in the backward's own
+    def forward(ctx, mlp, x: torch.Tensor, tiles: int, params: list, anchor: torch.Tensor | None) -> torch.Tensor:
+        # `anchor` (a tensor of no elements that needs a gradient, where the MLP has trained weights) makes the
+        # output need a gradient even where `x` does not (the first layer's MLP, LoRA on the MLP only, frozen
+        # embeddings). The weights themselves are not inputs: their gradients accumulate in the backward's own
+        # passes, and as inputs the outer backward would reach them once more (PyTorch runs a leaf's
+        # AccumulateGrad, and its hooks, even for a None gradient): ZeRO would reduce them twice
         ctx.mlp, ctx.tiles, ctx.params = mlp, tiles, params
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
@@ -48,7 +51,7 @@ class _TiledMLP(torch.autograd.Function):
             if piece.grad is not None:
                 grad_x[start : start + len(piece)] = piece.grad
             start += len(piece)
-        return None, grad_x.view_as(x) if x.requires_grad else None, None, *(None for _ in ctx.params)
+        return None, grad_x.view_as(x) if x.requires_grad else None, None, None, None
 
 
 def tiles_for(tokens: int, hidden: int) -> int:
@@ -71,7 +74,8 @@ def tiled_forward(self, x: torch.Tensor, *, inner, hidden: int, partitioned: boo
         pieces = x.reshape(-1, x.shape[-1]).tensor_split(tiles)
         return torch.cat([inner(piece) for piece in pieces]).view(*x.shape[:-1], -1)
     params = [p for p in self.parameters() if p.requires_grad]
-    return _TiledMLP.apply(inner, x, tiles, *params)
+    anchor = torch.empty(0, device=x.device, requires_grad=True) if params else None
+    return _TiledMLP.apply(inner, x, tiles, params, anchor)
 
 
 def mlps(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -65,7 +65,7 @@ def test_the_same_as_deepspeeds_tiled_mlp():
     params = [p for p in mlp.parameters() if p.requires_grad]
     results = []
     for run in (lambda: TiledMLP.apply(lambda m, h: m.forward(h), mlp, x, 4, params),
-                lambda: tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, *params)):  # fmt: skip
+                lambda: tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, params, None)):  # fmt: skip
         mlp.zero_grad()
         x.grad = None
         out = run()
@@ -78,12 +78,32 @@ def test_the_same_as_deepspeeds_tiled_mlp():
         torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_zero_reduces_each_weight_once(checkpointing):
+    """DeepSpeed's ZeRO-1/2 reduce a weight's gradient when its accumulation hook fires with `ds_grad_is_ready`
+    (unset: ready), and refuse a second ("Gradient computed twice for this partition"): in one backward, every
+    trained weight of a tiled MLP is reported ready exactly once, after its last tile (with checkpointing too, as the
+    long_context benchmark trains). The weights as inputs of the tiled function fired once more, ready."""
+    model = tiny_lora(("gate_proj", "down_proj"))  # the first layer's MLP input then needs no gradient
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tiled_mlp.install(model)
+    ready = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=name: ready.__setitem__(name, ready.get(name, 0) + getattr(p, "ds_grad_is_ready", True))
+            )
+    step(model)
+    assert ready and all(count == 1 for count in ready.values()), ready
+
+
 def test_as_many_tiles_as_asked_even_for_few_positions():
     mlp = tiny_lora().get_base_model().model.layers[0].mlp
     calls = []
     mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
     x = torch.randn(1, 5, HIDDEN, requires_grad=True)
-    tiled_mlp._TiledMLP.apply(mlp.forward, x, 4).sum().backward()
+    tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, [], None).sum().backward()
     assert calls == [2, 1, 1, 1] * 2  # forward, then the backward's recomputation; torch.chunk would give 3
     assert tiled_mlp.tiles_for(70, HIDDEN) == 5 and tiled_mlp.tiles_for(3, HIDDEN) == 1
 
@@ -106,7 +126,7 @@ def test_only_the_input_is_kept_for_the_backward_pass():
     mlp = tiny_lora().get_base_model().model.layers[0].mlp
     x = torch.randn(1, 96, HIDDEN, requires_grad=True)
     assert INTERMEDIATE in kept_widths(mlp.forward, x)
-    assert kept_widths(lambda h: tiled_mlp._TiledMLP.apply(mlp.forward, h, 6), x) == {HIDDEN}
+    assert kept_widths(lambda h: tiled_mlp._TiledMLP.apply(mlp.forward, h, 6, [], None), x) == {HIDDEN}
 
 
 def test_long_evaluation_windows_score_the_same_in_tiles(monkeypatch):
