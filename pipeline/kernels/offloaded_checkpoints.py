@@ -5,10 +5,12 @@ pinned host memory as the forward pass leaves the layer, and back when the backw
 
 A checkpoint of its own (as DeepSpeed's `cpu_checkpointing` one): the forward pass runs the layer without a graph and
 keeps the host copy; the backward pass copies it back, recomputes the layer with the RNG state of the forward pass
-(dropout draws the same masks) and back-propagates through it, the weights' gradients accumulating there. The layer's
-trained weights are inputs of the function, so that a layer whose input needs no gradient (the first, with frozen
-embeddings) still trains; the input's gradient never leaves the device (PyTorch's checkpoint around a host tensor
-would send it through host memory and back, synchronously, in every layer)."""
+(dropout draws the same masks) and back-propagates through it, the weights' gradients accumulating there. Where the
+layer has trained weights, an input of no elements that needs a gradient makes the output need one, so that a layer
+whose input needs no gradient (the first, with frozen embeddings) still trains; the weights themselves are not inputs
+(PyTorch would run their AccumulateGrad, and ZeRO's hooks, once more after the recomputation's, for a None gradient:
+ZeRO-1/2 would reduce them twice). The input's gradient never leaves the device (PyTorch's checkpoint around a host
+tensor would send it through host memory and back, synchronously, in every layer)."""
 
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import torch
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, function, hidden: torch.Tensor, args: tuple, *params: torch.Tensor) -> torch.Tensor:
-        ctx.function, ctx.args, ctx.device, ctx.n_params = function, args, hidden.device, len(params)
+    def forward(ctx, function, hidden: torch.Tensor, args: tuple, anchor: torch.Tensor | None) -> torch.Tensor:
+        ctx.function, ctx.args, ctx.device = function, args, hidden.device
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.device.type == "cuda" else None
         host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=hidden.device.type == "cuda")
@@ -42,7 +44,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             with torch.enable_grad():
                 out = ctx.function(hidden, *ctx.args)
         torch.autograd.backward(out, grad)
-        return None, hidden.grad, None, *(None for _ in range(ctx.n_params))
+        return None, hidden.grad, None, None
 
 
 def offloaded_checkpoint(function, hidden: torch.Tensor, *args, params: tuple = (), **_):
@@ -51,7 +53,8 @@ def offloaded_checkpoint(function, hidden: torch.Tensor, *args, params: tuple = 
     trained weights."""
     if not torch.is_grad_enabled():
         return function(hidden, *args)
-    return _OffloadedCheckpoint.apply(function, hidden, args, *params)
+    anchor = torch.empty(0, device=hidden.device, requires_grad=True) if params else None
+    return _OffloadedCheckpoint.apply(function, hidden, args, anchor)
 
 
 def install(model: torch.nn.Module) -> int:

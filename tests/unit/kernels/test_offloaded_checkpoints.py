@@ -55,6 +55,21 @@ def test_offloaded_checkpoints_train_as_without_checkpointing():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_zero_reduces_each_weight_once():
+    """ZeRO-1/2 refuse a weight whose accumulation hook fires twice in one backward ("Gradient computed twice for
+    this partition"): each trained weight's fires once, in the recomputation (as weights of the function's inputs,
+    once more after it)."""
+    model = checkpointed(tiny_lora())
+    fired = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(
+                lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1)
+            )
+    step(model)
+    assert fired and all(count == 1 for count in fired.values()), fired
+
+
 @pytest.mark.gpu
 def test_on_a_gpu_the_kept_inputs_are_in_pinned_host_memory():
     plain = tiny_lora("cuda")
