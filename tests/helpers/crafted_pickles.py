@@ -22,7 +22,8 @@ FORGED = b"\x41" * 8  # what an object-dtype array's item would be read as: the 
 ALLOWED_MODULES = (
     "collections", "builtins", "_codecs", "argparse", "torch", "torch._utils", "torch._tensor", "torch.nn.parameter",
     "numpy", "numpy.core.multiarray", "numpy._core.multiarray", "deepspeed.runtime.fp16.loss_scaler",
-    "deepspeed.utils.tensor_fragment", "deepspeed.runtime.zero.config",
+    "deepspeed.utils.tensor_fragment", "deepspeed.runtime.zero.config", "__builtin__", "copyreg", "copy_reg",
+    "numpy.core.numeric", "numpy._core.numeric",
 )  # fmt: skip
 
 
@@ -32,7 +33,7 @@ DOTTED = {
     "argparse": "_os", "torch": "os", "torch._utils": "os", "torch._tensor": "torch.os",
     "torch.nn.parameter": "torch.os", "numpy": "_pytesttester.os", "numpy._core.multiarray": "overrides.inspect.os",
     "deepspeed.runtime.fp16.loss_scaler": "dist.os", "deepspeed.utils.tensor_fragment": "dist.os",
-    "deepspeed.runtime.engine": "os",
+    "deepspeed.runtime.engine": "os", "numpy._core.numeric": "arrayprint.contextlib.os",
 }  # fmt: skip
 DOTTED_LIVE = {f"{module}.{path}" for module, path in DOTTED.items()}
 
@@ -115,6 +116,32 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
         "OBJ os.system": (OP["MARK"] + global_("os", "system") + command + OP["OBJ"], "GLOBAL os.system"),
         "OBJ of an allowed class": (OP["MARK"] + global_("collections", "OrderedDict") + OP["OBJ"], "OBJ collections"),
         "EXT1 posix.system": (OP["EXT1"] + bytes([EXT_CODE]) + tuple_(command) + OP["REDUCE"], "EXT1 extension code"),
+        "EXT2 posix.system": (OP["EXT2"] + struct.pack("<H", EXT_CODE) + tuple_(command) + OP["REDUCE"], "EXT2"),
+        "EXT4 posix.system": (OP["EXT4"] + struct.pack("<i", EXT_CODE) + tuple_(command) + OP["REDUCE"], "EXT4"),
+        "NEWOBJ_EX argparse.Namespace whose keyword argument calls posix.system": (
+            global_("argparse", "Namespace")
+            + OP["EMPTY_TUPLE"]
+            + OP["EMPTY_DICT"]
+            + text("hook")
+            + system(marker, global_("posix", "system"))
+            + OP["SETITEM"]
+            + OP["NEWOBJ_EX"],
+            "GLOBAL posix.system",
+        ),
+        "NEWOBJ_EX posix.system": (
+            global_("posix", "system") + tuple_(command) + OP["EMPTY_DICT"] + OP["NEWOBJ_EX"],
+            "GLOBAL posix.system",
+        ),
+        "NEWOBJ_EX with keyword arguments that are not names": (
+            global_("argparse", "Namespace")
+            + OP["EMPTY_TUPLE"]
+            + OP["EMPTY_DICT"]
+            + small(1)
+            + command
+            + OP["SETITEM"]
+            + OP["NEWOBJ_EX"],
+            "NEWOBJ_EX with keyword arguments that are not a dict of names",
+        ),
         "NEWOBJ argparse.Namespace whose state calls posix.system": (
             namespace + system(marker, global_("posix", "system")) + OP["SETITEM"] + OP["BUILD"],
             "GLOBAL posix.system",
@@ -136,7 +163,10 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
     return found
 
 
-LIVE = ("GLOBAL posix.system", "INST os.system", "OBJ os.system", "EXT1 posix.system", "NEWOBJ argparse.Namespace")
+LIVE = (
+    "GLOBAL posix.system", "INST os.system", "OBJ os.system", "EXT1 posix.system", "EXT2 posix.system",
+    "EXT4 posix.system", "NEWOBJ argparse.Namespace", "NEWOBJ_EX argparse.Namespace",
+)  # fmt: skip
 
 
 def live(construct: str) -> bool:

@@ -77,6 +77,11 @@ def test_each_construct_is_refused_by_name_and_nothing_runs(construct, tmp_path,
     assert not (tmp_path / "marker").exists()
 
 
+def test_every_module_the_allowlist_names_gets_a_dotted_name_payload():
+    """STACK_GLOBAL walks a dotted name attribute-wise: each module with an allowed global is tried for a path out."""
+    assert {module for module, _ in pickle_allowlist.policy().names} <= set(crafted.ALLOWED_MODULES)
+
+
 def test_the_extension_registry_is_named_not_followed(registered_extension):
     payload, _ = crafted.payloads(REPO / "never")["EXT1 posix.system"]
     with pytest.raises(Refused, match=r"EXT1 extension code 240 \(posix.system in copyreg's registry\)"):
