@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from bench.common import report, results_folder, run_tree_peak, side_by_side, smoke_arguments, smoke_project
+from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.locate import resolve_tag
 
 CHECKPOINTS = Path("artifacts/checkpoints")
@@ -26,8 +27,8 @@ def same_tensors(ours: Path, theirs: Path) -> int:
     """How many tensors of our universal folder equal DeepSpeed's (every one of ours must)."""
     count = 0
     for path in sorted((ours / "zero").rglob("*.pt")):
-        mine = torch.load(path, weights_only=True)
-        other = torch.load(theirs / path.relative_to(ours), weights_only=False)
+        mine = safe_pickle.load(path)
+        other = safe_pickle.load(theirs / path.relative_to(ours))  # DeepSpeed's files: data only, as ours
         if isinstance(mine, dict):
             mine, other = mine["param"], other["param"]
         if not torch.equal(mine.float(), other.float()):
