@@ -47,6 +47,14 @@ def pytest_report_header(config):
     return "cpu paths: " + "; ".join(f"{name} {path}" for name, path in describe(kernels=True).items())
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Figures a test records (`record_property`, also in test-results/junit.xml), e.g. how many cases the pickle
+    fuzzer ran, at the end of the output where CI's log keeps them."""
+    for report in terminalreporter.stats.get("passed", []):
+        for name, value in report.user_properties:
+            terminalreporter.write_line(f"{report.nodeid.split('::')[-1]}: {name} {value}")
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check). A test marked
     `cpu_family(machine, reason)` can only hold on that CPU family: skipped on another, saying which and why."""

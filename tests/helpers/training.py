@@ -39,6 +39,22 @@ def train_command(inputs: Path, base: Path, out: Path, overrides: list[str]) -> 
     ]  # fmt: skip
 
 
+def cache_rows(root: Path, *, inputs: Path, base: Path, overrides: list[str], source: Path | None = None) -> Path:
+    """root/dataset: rows cached by the cache_dataset stage under `overrides`, with the tiny run's tokenizer
+    (root/tokenizer); a `source` file is the train and the held-out file, a tenth of its rows for validation."""
+    (root / "tokenizer").symlink_to(inputs / "tokenizer")
+    files = [f"data.train_file={source}", f"data.heldout_file={source}", "data.validation_fraction=0.1"]
+    raw = config.compose(REPO / "conf", ["tracking.uri=", *overrides, *(files if source else [])])
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    subprocess.run([
+        sys.executable, "-m", "stages.cache_dataset", "--params", str(root / "params.yaml"),
+        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(base / "config.json"),
+        "--out", str(root / "dataset"), "--metrics", str(root / "dataset.json"),
+        "--run-id-file", str(root / "run.json"),
+    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
+    return root
+
+
 def env() -> dict:
     return with_venv_path()
 

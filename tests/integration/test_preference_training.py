@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from pipeline.core import config
 from pipeline.core.atomic import read_json
 from tests.conftest import REPO
 from tests.helpers.training import (
@@ -22,6 +20,7 @@ from tests.helpers.training import (
     TINY,
     TWO_RANKS,
     assert_same_training,
+    cache_rows,
     env,
     killed_after_a_checkpoint,
     losses,
@@ -48,18 +47,8 @@ def pairs_file(path: Path, paragraphs: list[str]) -> Path:
 def pref_inputs(tmp_path_factory, inputs, tiny_base_dir, peoples_daily) -> Path:
     """The tiny run's tokenizer and a preference dataset made by the cache_dataset stage."""
     root = tmp_path_factory.mktemp("pref_inputs")
-    (root / "tokenizer").symlink_to(inputs / "tokenizer")
     source = pairs_file(root / "pairs.jsonl", [p for p in peoples_daily if len(p) > 40])
-    raw = config.compose(REPO / "conf", ["tracking.uri=", *DPO, f"data.train_file={source}",
-                                         f"data.heldout_file={source}", "data.validation_fraction=0.1"])  # fmt: skip
-    (root / "params.yaml").write_text(yaml.safe_dump(raw))
-    subprocess.run([
-        sys.executable, "-m", "stages.cache_dataset", "--params", str(root / "params.yaml"),
-        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(tiny_base_dir / "config.json"),
-        "--out", str(root / "dataset"), "--metrics", str(root / "dataset.json"),
-        "--run-id-file", str(root / "run.json"),
-    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
-    return root
+    return cache_rows(root, inputs=inputs, base=tiny_base_dir, source=source, overrides=DPO)
 
 
 @pytest.fixture(scope="module")

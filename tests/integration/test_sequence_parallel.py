@@ -8,19 +8,16 @@ tests/integration/test_preference_training.py."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from pipeline.core import config
 from pipeline.core.atomic import read_json
 from tests.conftest import REPO
-from tests.helpers.training import TINY, assert_same_training, env, killed_after_a_checkpoint, losses, train
+from tests.helpers.training import TINY, assert_same_training, cache_rows, killed_after_a_checkpoint, losses, train
 
 pytestmark = pytest.mark.integration
 SFT = ["data.format=alpaca", "data.max_seq_len=48", "data.prompt_template='{instruction}:'",
@@ -76,20 +73,10 @@ def sft_inputs(tmp_path_factory, inputs, tiny_base_dir, peoples_daily) -> Path:
     """Instruction rows of several lengths (a paragraph's start as the prompt, masked; its next words the response)
     cached by the cache_dataset stage; micro-batches of 2 rows are packed end to end, positions restarting."""
     root = tmp_path_factory.mktemp("sft_inputs")
-    (root / "tokenizer").symlink_to(inputs / "tokenizer")
     rows = [{"instruction": p[:8], "output": p[8 : 16 + i % 24]} for i, p in enumerate(peoples_daily[:80])]
     source = root / "sft.jsonl"
     source.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    raw = config.compose(REPO / "conf", ["tracking.uri=", *SFT, f"data.train_file={source}",
-                                         f"data.heldout_file={source}", "data.validation_fraction=0.1"])  # fmt: skip
-    (root / "params.yaml").write_text(yaml.safe_dump(raw))
-    subprocess.run([
-        sys.executable, "-m", "stages.cache_dataset", "--params", str(root / "params.yaml"),
-        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(tiny_base_dir / "config.json"),
-        "--out", str(root / "dataset"), "--metrics", str(root / "dataset.json"),
-        "--run-id-file", str(root / "run.json"),
-    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
-    return root
+    return cache_rows(root, inputs=inputs, base=tiny_base_dir, source=source, overrides=SFT)
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +138,7 @@ def test_the_long_context_experiment_runs_at_smoke_size(tmp_path, inputs, tiny_b
         "lora.modules_to_save=[embed_tokens,lm_head]", "eval.stride=64",
     ]  # fmt: skip
     cfg = config.Config(**config.compose(REPO / "conf", ["tracking.uri=", *overrides]))
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(config.compose(REPO / "conf", ["tracking.uri=", *overrides])))
-    subprocess.run([
-        sys.executable, "-m", "stages.cache_dataset", "--params", str(tmp_path / "params.yaml"),
-        "--tokenizer", str(inputs / "tokenizer"), "--base-config", str(tiny_base_dir / "config.json"),
-        "--out", str(tmp_path / "dataset"), "--metrics", str(tmp_path / "dataset.json"),
-        "--run-id-file", str(tmp_path / "run.json"),
-    ], cwd=REPO, env=env(), check=True, capture_output=True)  # fmt: skip
-    (tmp_path / "tokenizer").symlink_to(inputs / "tokenizer")
+    cache_rows(tmp_path, inputs=inputs, base=tiny_base_dir, overrides=overrides)
     train(tmp_path, tiny_base_dir, tmp_path / "run", overrides)
     plan = read_json(tmp_path / "run" / "checkpoints" / "plan.json")
     assert plan["launch"]["sequence_parallel"] == 2 and plan["launch"]["tiled_mlp"] is False
