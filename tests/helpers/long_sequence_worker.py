@@ -2,28 +2,16 @@
 order), as a rank trains a long sequence on a CPU (the kernels, the tiled MLP); prints the resident memory (MB)
 before the first step and each step's peak, for tests/integration/test_long_sequence_memory.py.
 
-The peaks are VmHWM, reset before each step (/proc/self/clear_refs), not ru_maxrss: Linux carries ru_maxrss over
-exec, so a worker started from a test process larger than it (pytest late in a suite) read that process's peak
-before, during and after every step."""
+The peaks are VmHWM, reset before each step (tests/helpers/peak_memory.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-from pathlib import Path
 
 import torch
 
-
-def status_mb(field: str) -> float:
-    """A /proc/self/status memory figure (VmRSS: resident now; VmHWM: its peak since start or the last reset)."""
-    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) / 1024
-
-
-def reset_peak() -> None:
-    """VmHWM from here on counts from the resident memory now (Linux 4.0+)."""
-    Path("/proc/self/clear_refs").write_text("5")
+from tests.helpers.peak_memory import reset_peak, status_mb
 
 
 def main() -> None:

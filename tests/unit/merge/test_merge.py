@@ -256,16 +256,17 @@ def test_streamed_verification_equals_whole_models(fitted, tmp_path):
 
 
 PEAK = """
-import resource, sys, torch
+import sys, torch
 from pathlib import Path
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 from pipeline.merge.verify import streamed_logits
 with init_empty_weights():
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1]))  # imports done, nothing held
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+from tests.helpers.peak_memory import reset_peak, status_mb
+before = reset_peak()
 streamed_logits(Path(sys.argv[1]), torch.zeros(1, 8, dtype=torch.long), rows=int(sys.argv[2]))
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+print(int((status_mb("VmHWM") - before) * 2**20))
 """
 
 

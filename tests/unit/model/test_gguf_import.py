@@ -45,13 +45,14 @@ def test_streamed_conversion_equals_transformers_gguf_model(tmp_path):
 
 
 PEAK = """
-import re, sys, torch
+import sys, torch
 from pathlib import Path
 from pipeline.core.assets import resolve
 from pipeline.model.base_import import convert_gguf
+from tests.helpers.peak_memory import status_mb
 convert_gguf(resolve(sys.argv[1]), Path(sys.argv[2]), dtype=torch.float32, max_shard_size="2GB")
-print(int(re.search(r"VmHWM:\\s+(\\d+)", Path("/proc/self/status").read_text())[1]) // 1024)
-"""  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, from the (large) test process that forked this one
+print(int(status_mb("VmHWM")))
+"""  # the whole process's peak, imports included (tests/helpers/peak_memory.py)
 
 
 def test_conversion_holds_less_than_the_model(tmp_path):
