@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
 
-.PHONY: help setup browser nodes run test test-fast test-unit repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes run test test-fast test-unit test-times repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -63,6 +63,9 @@ fuzz: setup ## the checkpoint loader under the pickle fuzzer for 10 minutes (FUZ
 
 test-unit: setup ## every unit test (no integration: no DeepSpeed launch, DVC or server)
 	pytest -m "not integration"
+
+test-times: setup ## where the last test run's time went: each file's tests and minutes, slowest first (from its junit.xml)
+	python -m tools.test_times
 
 test-fast: setup ## the edit-test loop, a few minutes: lint, then the unit tests less those marked slow
 	ruff check pipeline stages tools tests bench

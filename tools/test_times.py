@@ -1,0 +1,41 @@
+"""Where the test suite's time goes, from a run's JUnit file (pytest writes test-results/junit.xml on every run):
+each file's tests and seconds, slowest first, with its slowest tests; the total against the suite's budget.
+
+    python -m tools.test_times [test-results/junit.xml] [--top 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+
+def file_times(junit: Path) -> dict[str, list[tuple[float, str]]]:
+    """{test file: [(seconds, test name), ...] slowest first}; a test's seconds include its fixtures' setup."""
+    found: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/") + ".py"
+        found[module.removeprefix("tests/")].append((float(case.get("time", 0)), case.get("name", "")))
+    return {name: sorted(cases, reverse=True) for name, cases in found.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("junit", nargs="?", type=Path, default=Path("test-results/junit.xml"))
+    parser.add_argument("--top", type=int, default=5, help="slowest tests shown per file")
+    args = parser.parse_args(argv)
+    if not args.junit.is_file():
+        raise SystemExit(f"{args.junit}: no JUnit file (pytest writes one on every run: test-results/junit.xml)")
+    times = file_times(args.junit)
+    total = sum(s for cases in times.values() for s, _ in cases)
+    print(f"{sum(map(len, times.values()))} tests, {total / 60:.1f} min in tests (fixtures included)")
+    for name, cases in sorted(times.items(), key=lambda item: -sum(s for s, _ in item[1])):
+        spent = sum(s for s, _ in cases)
+        slowest = ", ".join(f"{test} {s:.0f}" for s, test in cases[: args.top])
+        print(f"{name} ({len(cases)}, {spent / 60:.1f} min): {slowest}")
+
+
+if __name__ == "__main__":
+    main()
