@@ -1,0 +1,27 @@
+"""make test-times: a JUnit file as pytest writes it, summed by test file, slowest first."""
+
+from __future__ import annotations
+
+from tools.test_times import file_times, main
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3" time="42.0">
+<testcase classname="tests.integration.test_train" name="test_resume" time="30.5" />
+<testcase classname="tests.integration.test_train" name="test_zero3" time="1.5" />
+<testcase classname="tests.unit.merge.test_merge" name="test_tied[fp32]" time="10.0" />
+</testsuite></testsuites>"""
+
+
+def test_each_files_tests_slowest_first(tmp_path, capsys):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(JUNIT)
+    assert file_times(junit) == {
+        "integration/test_train.py": [(30.5, "test_resume"), (1.5, "test_zero3")],
+        "unit/merge/test_merge.py": [(10.0, "test_tied[fp32]")],
+    }
+    main([str(junit), "--top", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "3 tests, 0.7 min in tests (fixtures included)",
+        "integration/test_train.py (2, 0.5 min): test_resume 30",
+        "unit/merge/test_merge.py (1, 0.2 min): test_tied[fp32] 10",
+    ]
