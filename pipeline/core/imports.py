@@ -7,6 +7,9 @@ a run does not use:
 - PEFT and transformers import bitsandbytes for a base that is not quantized, and transformers imports
   scipy.optimize for its object-detection losses.
 What each costs: docs/training.md.
+- DeepSpeed's torch backend loads its shared-memory all-reduce op (and probes every op's compatibility first) in
+  each rank's init_distributed on a CPU, though only inference_all_reduce uses it: about 2.5 s of every launch, and
+  a /dev/shm buffer per rank it never removes.
 DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
 nothing, which is how these packages test for their optional dependencies."""
@@ -42,7 +45,21 @@ def deepspeed() -> ModuleType:
         finally:
             compiler.compile = compile_
     zero_init_keeps_dtype()
+    without_shm_all_reduce()
     return loaded
+
+
+SHM_ALL_REDUCE = "deepspeed_shm_comm"  # deepspeed.ops.op_builder.cpu.ShareMemCommBuilder.NAME
+
+
+def without_shm_all_reduce() -> None:
+    """Make DeepSpeed's torch backend find its shared-memory all-reduce op incompatible, so init_distributed neither
+    probes the ops nor loads it: `__compatible_ops__` (a lazily probed module attribute) is read by build_shm_op
+    alone (DeepSpeed 0.19.8), whose op serves inference_all_reduce only; training's all-reduces are
+    torch.distributed's (gloo on CPU ranks) either way."""
+    import deepspeed.ops
+
+    vars(deepspeed.ops).setdefault("__compatible_ops__", {})[SHM_ALL_REDUCE] = False
 
 
 def zero_init_keeps_dtype() -> None:

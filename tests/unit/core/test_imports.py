@@ -55,3 +55,11 @@ def test_zero_init_keeps_the_dtype_it_is_given_without_fp16(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16):
         Init._set_dtype(init, None, dtype)  # an explicit dtype: DeepSpeed 0.19.8 alone gives bf16 for fp32
         assert init.dtype == dtype
+
+
+def test_init_distributed_leaves_out_the_shared_memory_all_reduce():
+    """A CPU rank's DeepSpeed backend builds no shared-memory op (nor its /dev/shm buffer); its all-reduce is gloo's."""
+    imports.deepspeed()
+    from deepspeed.comm.torch import build_shm_op
+
+    assert build_shm_op() is None
