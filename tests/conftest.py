@@ -48,7 +48,7 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Figures a test records (`record_property`, also in test-results/junit.xml), e.g. how many cases the pickle
+    """Figures a test records (its node's `user_properties`), e.g. how many cases the pickle
     fuzzer ran, at the end of the output where CI's log keeps them."""
     for report in terminalreporter.stats.get("passed", []):
         for name, value in report.user_properties:

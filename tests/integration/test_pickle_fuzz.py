@@ -20,7 +20,7 @@ from tests.helpers import pickle_fuzz
 pytestmark = pytest.mark.integration
 
 
-def test_fuzzed_checkpoint_pickles_end_in_a_refusal_or_in_data(two_ranks_zero2, tmp_path, record_property):
+def test_fuzzed_checkpoint_pickles_end_in_a_refusal_or_in_data(two_ranks_zero2, tmp_path, request):
     tag = two_ranks_zero2 / "checkpoints" / "step_000006"
     sources = tmp_path / "sources"
     sources.mkdir()
@@ -37,6 +37,8 @@ def test_fuzzed_checkpoint_pickles_end_in_a_refusal_or_in_data(two_ranks_zero2, 
         folder=sources, seconds=seconds, cases=cases, seed=int(os.environ.get("PICKLE_FUZZ_SEED", "0")), out=out
     )
     (out / "report.json").write_text(json.dumps(report, indent=2))
-    record_property("fuzzed", json.dumps({k: report[k] for k in ("seed", "seconds", "cases", "outcomes")}))
+    request.node.user_properties.append(
+        ("fuzzed", json.dumps({k: report[k] for k in ("seed", "seconds", "cases", "outcomes")}))
+    )
     assert report["failures"] == [], json.dumps(report["failures"][:5], indent=1)[:6000]
     assert all(report["by_mutation"][kind] for kind in pickle_fuzz.KINDS), report["by_mutation"]
