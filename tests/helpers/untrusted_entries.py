@@ -34,7 +34,8 @@ CORE = (
     "NEWOBJ argparse.Namespace whose state calls posix.system",
     "NEWOBJ of a loss scaler with a state of Python's own fields", "numpy array of object dtype",
     "numpy void dtype claiming object items", "a persistent id naming a storage outside the file",
-    "STACK_GLOBAL deepspeed.runtime.engine.os.system", "STACK_GLOBAL torch.os.system",
+    "STACK_GLOBAL deepspeed.runtime.engine.os.system", "STACK_GLOBAL torch.os.system", "EXT4 posix.system",
+    "NEWOBJ_EX argparse.Namespace whose keyword argument calls posix.system",
 )  # fmt: skip
 FEW = ("INST os.system", "STACK_GLOBAL torch.os.system", "numpy array of object dtype", CORE[9])  # slow entries
 TAG = "step_000006"
