@@ -17,6 +17,7 @@ from tests.helpers.peak_memory import reset_peak, status_mb
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", required=True)
+    parser.add_argument("--paths", choices=["on", "off"], default="on", help="off: kernels and the tiled MLP left out")
     args = parser.parse_args()
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
@@ -33,8 +34,9 @@ def main() -> None:
     model.config.use_cache = False
     model.set_attn_implementation("sdpa")
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
-    kernels.apply(model, device="cpu", zero_stage=0, enabled="auto")
-    tiled_mlp.install(model)
+    if args.paths == "on":
+        kernels.apply(model, device="cpu", zero_stage=0, enabled="auto")
+        tiled_mlp.install(model)
     model.train()
     before, peaks = status_mb("VmRSS"), []
     for tokens in args.tokens:
