@@ -3,8 +3,12 @@ embedding, SwiGLU, LoRA's scaling and sums, residual additions) fused into a few
 backward, where the eager layer launches one kernel per operator.
 
 Compiled per layer, not whole: ZeRO-1/2's gradient hooks stay outside the graphs (they fire as each trained
-tensor's gradient is accumulated), activation checkpointing recomputes a compiled layer, and every layer runs the
-same graph (the layers differ only in their parameters, which the graph takes as inputs). Not under ZeRO-3, whose
+tensor's gradient is accumulated), and every layer runs the same graph (the layers differ only in their parameters,
+which the graph takes as inputs). Activation checkpointing stays outside the graph too, in eager PyTorch around the
+compiled forward: transformers checkpoints inside `forward`, so compiling the layer as it is put the checkpoint into
+the graph, where PyTorch 2.11's partitioner kept the activations anyway (on an H100, 8B at 4k tokens with
+checkpointing on every layer: 33.1 GB and no recomputation, against 34.1 GB without; on CPU 633 MB against 192 MB
+with the checkpoint outside). Not under ZeRO-3, whose
 hooks gather and release each module's parameters inside the layer. Shapes start static and turn dynamic on the
 first change (PyTorch's automatic dynamic shapes): packed text blocks keep one static graph; SFT rows and DPO pairs,
 whose lengths change every step, compile one more graph that takes any length, not one per length (on an H200 that
@@ -12,6 +16,8 @@ was 26 graphs and 9 s of compiling a step at 415 tokens/s under `dynamic=False`)
 metrics/train.json counts them."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -31,8 +37,22 @@ def install(model: torch.nn.Module) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_LIMIT)
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile(dynamic=None)
+        layer.forward = _compiled_forward(layer)
     return len(layers)
+
+
+def _compiled_forward(layer: torch.nn.Module):
+    """The layer's own forward compiled, under the layer's checkpointing function where it checkpoints (read at
+    each call: `recompute_only_last` and train/eval mode change it)."""
+    own = type(layer).forward
+    compiled = torch.compile(functools.partial(getattr(own, "__wrapped__", own), layer), dynamic=None)
+
+    def forward(*args, **kwargs):
+        if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+            return layer._gradient_checkpointing_func(functools.partial(compiled, **kwargs), *args)
+        return compiled(*args, **kwargs)
+
+    return forward
 
 
 def graphs() -> int:
