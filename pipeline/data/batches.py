@@ -58,3 +58,13 @@ def target_count(batch: dict[str, torch.Tensor]) -> int:
     """The positions of `batch` (collate's or pack's) that have a next-token target."""
     targets = batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
     return int((targets != IGNORE_INDEX).sum())
+
+
+def on_device(batch: dict, device) -> dict:
+    """The batch's tensors on `device`; to a GPU from pinned memory without waiting (a copy from pageable memory
+    waits until the GPU has run everything queued before it, so the host stops queueing)."""
+    if torch.device(device).type != "cuda":
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }

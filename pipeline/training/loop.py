@@ -15,7 +15,7 @@ import torch
 from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
-from pipeline.data.batches import pack, target_count
+from pipeline.data.batches import on_device, pack, target_count
 from pipeline.training import figures, sequence_parallel
 from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
@@ -31,15 +31,6 @@ class History:
 
     train: list[dict] = field(default_factory=list)
     validation: list[dict] = field(default_factory=list)
-
-
-def _to(batch: dict, device) -> dict:
-    """The batch's tensors on `device`; to a GPU from pinned memory without waiting (the host goes on queueing)."""
-    if torch.device(device).type != "cuda":
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return {
-        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-    }
 
 
 def _all_reduce_sum(values: list, device) -> list[float]:
@@ -60,7 +51,7 @@ def validate(
     engine.eval()
     with torch.no_grad():
         for real in _turns(len(rows), rank=rank, world_size=world_size, micro=micro):
-            batch = _to(pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen), engine.device)
+            batch = on_device(pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen), engine.device)
             loss = engine(**batch).loss.float()
             count = target_count(batch) if real else 0
             loss_sum += float(loss) * count
@@ -100,7 +91,7 @@ def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Object
     """One micro-batch's loss, its tokens and (preference objectives) its summed STATS; `reference`: DPO's
     precomputed reference of these rows, if any."""
     if objective.kind == "lm":
-        batch = _to(pack(rows, pad_id, varlen=varlen), engine.device)
+        batch = on_device(pack(rows, pad_id, varlen=varlen), engine.device)
         return engine(**batch).loss, sum(len(row["input_ids"]) for row in rows), {}
     loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective, reference=reference)
     return loss, sum(len(row["input_ids"]) + len(row["rejected_input_ids"]) for row in rows), stats

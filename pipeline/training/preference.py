@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipeline.data.batches import collate, shifted
+from pipeline.data.batches import collate, on_device, shifted
 from pipeline.data.examples import IGNORE_INDEX
 
 OBJECTIVES = ("lm", "dpo", "orpo", "simpo")
@@ -116,8 +116,9 @@ def pair_loss(
     """The mean loss of the pairs in `rows`, and STATS (fp64 sums left on the device: the loop reads them once a
     step). DPO's reference: `reference` ([pairs, 2]: chosen, rejected) where precomputed, else computed on the same
     batch."""
-    batch = pair_batch(rows, pad_id)
-    batch = {k: v.to(engine.device, non_blocking=True) for k, v in batch.items()}
+    known = {} if reference is None else {"reference": reference}
+    batch = on_device({**pair_batch(rows, pad_id), **known}, engine.device)
+    reference = batch.pop("reference", None)
     n = len(rows)
     logps, counts = model_logps(engine, batch)
     references = {}
@@ -132,7 +133,7 @@ def pair_loss(
         **references,
     )  # fmt: skip
     stats = {
-        "pairs": torch.tensor(float(n), dtype=torch.float64, device=reward_c.device),
+        "pairs": torch.full((), float(n), dtype=torch.float64, device=reward_c.device),  # no copy from the host
         "correct": (reward_c > reward_r).sum().double(),
         "reward_chosen": reward_c.sum().double(),
         "reward_rejected": reward_r.sum().double(),
