@@ -150,8 +150,7 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _card(args: argparse.Namespace) -> None:
-    import yaml
-
+    from pipeline.core import config
     from pipeline.core.atomic import read_json
     from pipeline.export import model_card
 
@@ -159,7 +158,7 @@ def _card(args: argparse.Namespace) -> None:
         path = args.metrics / f"{name}.json"
         return read_json(path) if path.is_file() else None
 
-    params = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+    params = config.read_params(args.params)
     text = model_card.render(
         kind=args.kind,
         params=params,

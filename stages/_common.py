@@ -10,8 +10,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from pipeline.core import config
 from pipeline.core.errors import guarded
 from pipeline.core.quiet import quiet_third_parties
@@ -64,6 +62,6 @@ def announce(tracker: Tracker, params: Path | str, tags: dict[str, str] | None =
     name = stage_name()
     experiment = {"DVC_EXP_NAME": "dvc.experiment", "DVC_EXP_BASELINE_REV": "dvc.baseline"}
     dvc = {tag: os.environ[env] for env, tag in experiment.items() if os.environ.get(env)}
-    tracker.log_params(flatten(yaml.safe_load(Path(params).read_text(encoding="utf-8"))))
+    tracker.log_params(flatten(config.read_params(params)))
     tracker.set_tags({**runtime_tags(), **dvc, **(tags or {}), f"stage.{name}": "ran"})
     return name

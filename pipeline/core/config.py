@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Literal
@@ -145,6 +146,7 @@ class TrainConfig(Section):
     max_steps: int = PositiveInt
     lr: float = Field(gt=0.0)
     weight_decay: float = Field(ge=0.0)
+    adam_epsilon: float = Field(gt=0.0)
     warmup_steps: int = Field(ge=0)
     lr_scheduler: Literal["cosine", "linear", "constant"]
     max_grad_norm: float = Field(gt=0.0)
@@ -349,12 +351,27 @@ def validate(raw: dict, source: str = "params.yaml") -> Config:
         raise ValueError("\n".join(_describe(e, source) for e in err.errors())) from None
 
 
+class _Yaml12Floats(yaml.SafeLoader):
+    """PyYAML's safe loader reading YAML 1.2's floats too: DVC writes params.yaml by YAML 1.2, where 1e-08 (a float
+    without a dot, as `-S train.lr=1e-5` becomes) is a float; YAML 1.1's rules, PyYAML's, read it as a string."""
+
+
+_Yaml12Floats.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+.0123456789")
+)
+
+
+def read_params(path: Path | str) -> object:
+    """params.yaml (or any YAML DVC wrote) as DVC reads it."""
+    return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Yaml12Floats)  # noqa: S506 (a safe loader)
+
+
 def load(path: Path | str = "params.yaml") -> Config:
     """Read and validate params.yaml."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; run `make params` to compose it from conf/")
-    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    raw = read_params(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of config groups")
     return validate(raw, str(path))

@@ -41,6 +41,7 @@ def build(
     lr: float,
     weight_decay: float,
     max_grad_norm: float,
+    adam_epsilon: float = 1e-8,
     global_batch: int | None = None,
     accelerator: str = "cpu",
     sizes: LayerSizes | None = None,
@@ -87,7 +88,13 @@ def build(
         "zero_optimization": section,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": weight_decay, "torch_adam": True},
+            "params": {
+                "lr": lr,
+                "betas": [0.9, 0.999],
+                "eps": adam_epsilon,
+                "weight_decay": weight_decay,
+                "torch_adam": True,
+            },
         },
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1 << 30,
@@ -116,6 +123,7 @@ class EngineConfig:
     lr: float
     weight_decay: float
     max_grad_norm: float
+    adam_epsilon: float = 1e-8  # AdamW's eps: the update is lr * m / (sqrt(v) + eps)
     global_batch: int | None = None
     accelerator: str = "cpu"
     sizes: LayerSizes | None = None  # ZeRO-3: the model's sizes its settings follow

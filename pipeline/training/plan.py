@@ -256,6 +256,7 @@ def make(
             lr=train.lr,
             weight_decay=train.weight_decay,
             max_grad_norm=train.max_grad_norm,
+            adam_epsilon=train.adam_epsilon,
             global_batch=launch.global_batch_size,
             accelerator=launch.accelerator,
             sizes=sizes,

@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 
 def test_params_yaml_equals_composition_of_conf():
-    committed = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    committed = config.read_params(REPO / "params.yaml")
     assert committed == config.compose(REPO / "conf"), "params.yaml is stale: run `make params`"
 
 
@@ -112,3 +112,13 @@ def test_an_eval_set_named_like_eval_json_s_other_figures_is_refused(name):
     assert set(config.RESERVED_SET_NAMES) == set(RESERVED)
     with pytest.raises(ValueError, match=rf"eval.sets: '{name}' names other figures in eval.json; rename that set"):
         config.Config(**config.compose(REPO / "conf", [f"+eval.sets.{name}=data/x.txt"]))
+
+
+def test_params_read_as_dvc_writes_them(tmp_path):
+    """DVC writes params.yaml by YAML 1.2: `-S train.lr=1e-5` becomes `lr: 1e-05`, a float there and a string under
+    PyYAML's YAML 1.1 rules; read_params reads it as DVC does, and what it meant stays a string where quoted."""
+    params = tmp_path / "params.yaml"
+    params.write_text("train:\n  lr: 1e-05\n  adam_epsilon: 1.0e-08\n  scale: -2E+3\n  name: '1e-05'\n  id: 1e5x\n")
+    assert config.read_params(params) == {
+        "train": {"lr": 1e-5, "adam_epsilon": 1e-8, "scale": -2000.0, "name": "1e-05", "id": "1e5x"}
+    }

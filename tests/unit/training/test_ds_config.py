@@ -55,3 +55,17 @@ def test_a_sequence_parallel_config_says_its_batch_is_over_the_data_parallel_wor
         for name, value in world.items():
             patch.setattr(dist, name, value)
         assert DeepSpeedConfig(split).world_size == 2
+
+
+def test_adams_epsilon_is_the_one_configured():
+    """train.adam_epsilon reaches DeepSpeed's AdamW (1e-8, its default, unless set); zero or less is refused by name."""
+    from pipeline.core import config
+    from pipeline.training.ds_config import ZeroSettings, build
+
+    common = {"precision": "fp32", "micro": 1, "accumulation": 1, "world_size": 2, "lr": 1e-4, "weight_decay": 0.0}
+    composed = config.Config(**config.compose(REPO / "conf", ["train.adam_epsilon=1e-6"]))
+    built = build(zero=ZeroSettings(stage=2), max_grad_norm=1.0, adam_epsilon=composed.train.adam_epsilon, **common)
+    assert built["optimizer"]["params"]["eps"] == 1e-6
+    assert build(zero=ZeroSettings(stage=2), max_grad_norm=1.0, **common)["optimizer"]["params"]["eps"] == 1e-8
+    with pytest.raises(ValueError, match="adam_epsilon"):
+        config.Config(**config.compose(REPO / "conf", ["train.adam_epsilon=0"]))
