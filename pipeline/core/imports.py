@@ -5,12 +5,11 @@ a run does not use:
   which imports inductor in every rank, though we train with AdamW. Here it is imported with DeepSpeed's own
   no-op decorator in torch.compile's place, so Muon would run uncompiled;
 - PEFT and transformers import bitsandbytes for a base that is not quantized, and transformers imports
-  scipy.optimize for its object-detection losses.
-What each costs: docs/training.md.
+  scipy.optimize for its object-detection losses;
 - DeepSpeed's torch backend loads its shared-memory all-reduce op (and probes every op's compatibility first) in
   each rank's init_distributed on a CPU, though only inference_all_reduce uses it: about 2.5 s of every launch, and
   a /dev/shm buffer per rank it never removes.
-DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
+What each costs: docs/training.md. DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
 nothing, which is how these packages test for their optional dependencies."""
 

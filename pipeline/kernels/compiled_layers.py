@@ -8,12 +8,11 @@ which the graph takes as inputs). Activation checkpointing stays outside the gra
 compiled forward: transformers checkpoints inside `forward`, so compiling the layer as it is put the checkpoint into
 the graph, where PyTorch 2.11's partitioner kept the activations anyway (on an H100, 8B at 4k tokens with
 checkpointing on every layer: 33.1 GB and no recomputation, against 34.1 GB without; on CPU 633 MB against 192 MB
-with the checkpoint outside). Not under ZeRO-3, whose
-hooks gather and release each module's parameters inside the layer. Shapes start static and turn dynamic on the
-first change (PyTorch's automatic dynamic shapes): packed text blocks keep one static graph; SFT rows and DPO pairs,
-whose lengths change every step, compile one more graph that takes any length, not one per length (on an H200 that
-was 26 graphs and 9 s of compiling a step at 415 tokens/s under `dynamic=False`). `compiled_graphs` in
-metrics/train.json counts them."""
+with the checkpoint outside). Not under ZeRO-3, whose hooks gather and release each module's parameters inside the
+layer. Shapes start static and turn dynamic on the first change (PyTorch's automatic dynamic shapes): packed text
+blocks keep one static graph; SFT rows and DPO pairs, whose lengths change every step, compile one more graph that
+takes any length, not one per length (on an H200 that was 26 graphs and 9 s of compiling a step at 415 tokens/s
+under `dynamic=False`). `compiled_graphs` in metrics/train.json counts them."""
 
 from __future__ import annotations
 
