@@ -46,10 +46,10 @@ nodes: ## install Debian's openssh-server, pdsh, slurm-wlm and munge for the mul
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
-test: setup browser nodes ## lint, then every test: the unit tier (niced) beside the integration tier (tools/test_tiers.py)
+test: setup browser nodes ## lint, then every test (unit and integration; the repro check at tiny size among them)
 	ruff check pipeline stages tools tests bench
 	ruff format --check pipeline stages tools tests bench
-	python -m tools.test_tiers
+	pytest
 
 repro-check: setup ## run the pipeline twice from scratch on a tiny config and compare every output
 	python -m tools.repro_check
@@ -64,7 +64,7 @@ fuzz: setup ## the checkpoint loader under the pickle fuzzer for 10 minutes (FUZ
 test-unit: setup ## every unit test (no integration: no DeepSpeed launch, DVC or server)
 	pytest -m "not integration"
 
-test-times: setup ## where the last test run's time went: each file's tests and minutes, slowest first (from its JUnit files)
+test-times: setup ## where the last test run's time went: each file's tests and minutes, slowest first (from its junit.xml)
 	python -m tools.test_times
 
 test-fast: setup ## the edit-test loop, a few minutes: lint, then the unit tests less those marked slow

@@ -25,21 +25,3 @@ def test_each_files_tests_slowest_first(tmp_path, capsys):
         "integration/test_train.py (2, 0.5 min): test_resume 30",
         "unit/merge/test_merge.py (1, 0.2 min): test_tied[fp32] 10",
     ]
-
-
-def test_both_tiers_of_the_latest_run_are_read(tmp_path, capsys):
-    """make test writes a JUnit file a tier (tools/test_tiers.py); a file with tests in both is summed once."""
-    import os
-
-    from tools.test_times import latest_run
-
-    unit = JUNIT.replace("tests.integration.test_train", "tests.unit.evaluation.test_evaluate")
-    tiers = [tmp_path / "junit-integration.xml", tmp_path / "junit-unit.xml"]
-    for path, text in zip(tiers, (JUNIT, unit), strict=True):
-        path.write_text(text)
-    assert latest_run(tmp_path) == tiers
-    assert file_times(*tiers)["unit/merge/test_merge.py"] == [(10.0, "test_tied[fp32]")] * 2
-    whole = tmp_path / "junit.xml"
-    whole.write_text(JUNIT)
-    os.utime(whole, (tiers[0].stat().st_mtime + 5,) * 2)
-    assert latest_run(tmp_path) == [whole], "a plain pytest run after make test: its file"
