@@ -52,18 +52,14 @@ SMOKE_SHAPE = {**CPU_SHAPE, "hidden_size": 32, "intermediate_size": 64, "num_hid
 SMOKE_LENGTHS = (128, 256)  # the GPU mode's on a CPU; the CPU ranks' smoke: one length (a launch each way)
 
 
-def predicted_seconds(measured: list[tuple[int, float]], length: int) -> float:
-    """A step's time at `length` from the steps measured: a + b L + c L^2 through the last two points with a = 0
-    (one point: quadratic from it, the worst case)."""
+def predicted_seconds(measured: list[tuple[int, float]], length: int, *, shape: dict) -> float:
+    """A step's time at `length`: the last measured step's, scaled by the step's FLOPs (`work_per_token` x L). An
+    overestimate from short steps, whose fixed cost is scaled too; a quadratic fit refused 32k on an H200 after a
+    1.1 s step at 4k, where 32k then took 6 s."""
     if not measured:
         return 0.0
-    if len(measured) == 1:
-        (n, t) = measured[0]
-        return t * (length / n) ** 2
-    (n1, t1), (n2, t2) = measured[-2:]
-    c = max(0.0, (t2 / n2 - t1 / n1) / (n2 - n1))  # t / L = b + c L
-    b = max(0.0, t2 / n2 - c * n2)
-    return b * length + c * length**2
+    (n, t) = measured[-1]
+    return t * length * work_per_token(shape, length) / (n * work_per_token(shape, n))
 
 
 def work_per_token(shape: dict, length: int) -> float:
@@ -124,9 +120,10 @@ def run_lengths(shape: dict, lengths, *, ours: bool, budget_s: float, device: st
     rows, measured, start = [], [], time.perf_counter()
     for length in lengths:
         left = budget_s - (time.perf_counter() - start)
-        if measured and predicted_seconds(measured, length) > left:
+        predicted = predicted_seconds(measured, length, shape=shape)
+        if measured and predicted > left:
             rows.append({"length": length, "result": "not tried: past the time budget",
-                         "predicted_s": round(predicted_seconds(measured, length), 1)})  # fmt: skip
+                         "predicted_s": round(predicted, 1)})  # fmt: skip
             continue
         steps = 2 if length <= 32768 else 1  # a warm-up step where it is cheap
         try:
@@ -290,7 +287,7 @@ def cpu_figures(shape: dict, lengths, sizes, *, budget_s: float, steps: int) -> 
         for size in sizes:
             measured, start = [], time.perf_counter()
             for length in lengths:
-                predicted = predicted_seconds(measured, length) * steps
+                predicted = predicted_seconds(measured, length, shape=shape) * steps
                 if measured and predicted > budget_s - (time.perf_counter() - start):
                     rows.append(
                         {
