@@ -22,6 +22,8 @@ from pipeline.training import ds_config, loop
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LR, WEIGHT_DECAY, RATIO = 1e-2, 0.01, 16.0
+EPSILON = 1e-4  # Adam's: an element whose gradient is a rounding residue moves by up to lr x residue / eps a step
+# (docs/cpu_paths.md); at 1e-8 two summation orders left LoRA+'s 0.16 rate up to 3.9e-5 apart in two steps
 
 
 def build(args: argparse.Namespace, precision: str, variant: str | None, zero3_config: dict | None):
@@ -66,7 +68,7 @@ def reference(args: argparse.Namespace, precision: str, variant: str, world: int
     model = build(args, precision, variant, None)
     ratio = RATIO if variant is not None and "loraplus" in variant else None
     optimizer = torch.optim.AdamW(
-        parameter_groups(model, WEIGHT_DECAY, lr=LR, lr_ratio=ratio), lr=LR, weight_decay=WEIGHT_DECAY
+        parameter_groups(model, WEIGHT_DECAY, lr=LR, lr_ratio=ratio), lr=LR, weight_decay=WEIGHT_DECAY, eps=EPSILON
     )
     model.train()
     for step in range(2):
@@ -101,6 +103,7 @@ def main() -> None:
             world_size=world,
             lr=LR,
             weight_decay=WEIGHT_DECAY,
+            adam_epsilon=EPSILON,
             max_grad_norm=1.0,
         )
         quantized = variant is not None and variant.removeprefix("dora_") in ("nf4", "int8")

@@ -207,14 +207,18 @@ def test_variant_two_ranks_equal_one_process_and_consolidate_and_merge(checkpoin
     if precision == "fp32":
         reference = load_file(source / "reference.safetensors")
         assert live.keys() == reference.keys()
-        # seen with LoRA+'s 16x rate: 1.3e-5 (Intel Xeon), 3.9e-5 (AMD EPYC); under 1e-6 otherwise
-        atol = 1e-4 if "loraplus" in variant else 2e-5
-        for name, expected in reference.items():
-            torch.testing.assert_close(live[name], expected, atol=atol, rtol=0, msg=name)
+        for name, expected in reference.items():  # Adam's eps 1e-4: residues move a tensor lr x 1e-8 / 1e-4 a step
+            torch.testing.assert_close(live[name], expected, atol=1e-5, rtol=0, msg=name)
+        worst = max(float((live[name] - expected).abs().max()) for name, expected in reference.items())
+        print(f"\n{config}: 2 ranks against one process, max |diff| {worst:.1e}")
     if "loraplus" in variant:
         figures = json.loads((source / "loraplus.json").read_text())
         assert sorted(set(figures["group_lrs"])) == [pytest.approx(1e-2), pytest.approx(0.16)]
-        assert figures["max_update_B"] / figures["max_update_A"] == pytest.approx(16, rel=0.01), figures
+        # Adam's first step moves an element by lr x |g| / (|g| + eps) (+ weight decay): each group's largest move is
+        # just under its lr, B's 16x A's less the share eps takes of A's largest gradient (16.3-16.4 at eps 1e-4)
+        ratio = figures["max_update_B"] / figures["max_update_A"]
+        print(f"{config}: LoRA+ first step, B's largest move / A's {ratio:.3f}")
+        assert 15.5 < ratio < 17, figures
     manifest = consolidate(checkpoint_dir=source, output_dir=tmp_path / "adapter")
     assert read_json(tmp_path / "adapter" / VARIANT) == manifest["variant"]
     written = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
