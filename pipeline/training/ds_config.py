@@ -31,6 +31,9 @@ class LayerSizes:
     layer: int
 
 
+ADAM_EPSILON = 1e-8  # AdamW's eps (the update is lr * m / (sqrt(v) + eps)): DeepSpeed's and PyTorch's default
+
+
 def build(
     *,
     zero: ZeroSettings,
@@ -41,7 +44,7 @@ def build(
     lr: float,
     weight_decay: float,
     max_grad_norm: float,
-    adam_epsilon: float = 1e-8,
+    adam_epsilon: float = ADAM_EPSILON,
     global_batch: int | None = None,
     accelerator: str = "cpu",
     sizes: LayerSizes | None = None,
@@ -123,7 +126,7 @@ class EngineConfig:
     lr: float
     weight_decay: float
     max_grad_norm: float
-    adam_epsilon: float = 1e-8  # AdamW's eps: the update is lr * m / (sqrt(v) + eps)
+    adam_epsilon: float = ADAM_EPSILON
     global_batch: int | None = None
     accelerator: str = "cpu"
     sizes: LayerSizes | None = None  # ZeRO-3: the model's sizes its settings follow

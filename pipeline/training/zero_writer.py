@@ -71,7 +71,7 @@ def engine_config(source: dict, stage: int, world: int) -> dsc.EngineConfig:
         lr=optimizer["lr"],
         weight_decay=optimizer["weight_decay"],
         max_grad_norm=source.get("gradient_clipping", 0.0),
-        adam_epsilon=optimizer.get("eps", 1e-8),  # DeepSpeed's default where a config leaves it out
+        adam_epsilon=optimizer.get("eps", dsc.ADAM_EPSILON),  # the default where a config leaves it out
         global_batch=global_batch,
     )
 
