@@ -44,14 +44,15 @@ def _all_reduce_sum(values: list, device) -> list[float]:
 
 
 def validate(
-    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, varlen: bool = False
+    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, varlen: bool = False, bucketed: bool = False
 ) -> tuple[float, int]:
     """Token-weighted validation loss over every row (ranks take turns; all run the same number of forwards)."""
     loss_sum, tokens = 0.0, 0
     engine.eval()
     with torch.no_grad():
         for real in _turns(len(rows), rank=rank, world_size=world_size, micro=micro):
-            batch = on_device(pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen), engine.device)
+            packed = pack([rows[i] for i in (real or [0])], pad_id, varlen=varlen, bucketed=bucketed)
+            batch = on_device(packed, engine.device)
             loss = engine(**batch).loss.float()
             count = target_count(batch) if real else 0
             loss_sum += float(loss) * count
@@ -62,14 +63,15 @@ def validate(
 
 
 def validate_pairs(
-    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, objective: Objective
+    engine, rows, *, rank: int, world_size: int, micro: int, pad_id: int, objective: Objective, bucketed: bool = False
 ) -> dict[str, float]:
     """The mean preference loss over every pair of `rows`, with their accuracy and rewards (`described`)."""
     sums = dict.fromkeys(("loss", *STATS), 0.0)
     engine.eval()
     with torch.no_grad():
         for real in _turns(len(rows), rank=rank, world_size=world_size, micro=micro):
-            loss, stats = pair_loss(engine, [rows[i] for i in (real or [0])], pad_id=pad_id, objective=objective)
+            pairs = [rows[i] for i in (real or [0])]
+            loss, stats = pair_loss(engine, pairs, pad_id=pad_id, objective=objective, bucketed=bucketed)
             if real:
                 sums["loss"] += float(loss) * len(real)
                 sums.update({k: sums[k] + stats[k] for k in STATS})
@@ -87,13 +89,13 @@ def _turns(n: int, *, rank: int, world_size: int, micro: int):
         yield [i for i in indices if i < n]
 
 
-def _forward(engine, rows: list, *, pad_id: int, varlen: bool, objective: Objective, reference=None):
+def _forward(engine, rows: list, *, pad_id: int, varlen: bool, bucketed: bool, objective: Objective, reference=None):
     """One micro-batch's loss, its tokens and (preference objectives) its summed STATS; `reference`: DPO's
     precomputed reference of these rows, if any."""
     if objective.kind == "lm":
-        batch = on_device(pack(rows, pad_id, varlen=varlen), engine.device)
+        batch = on_device(pack(rows, pad_id, varlen=varlen, bucketed=bucketed), engine.device)
         return engine(**batch).loss, sum(len(row["input_ids"]) for row in rows), {}
-    loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective, reference=reference)
+    loss, stats = pair_loss(engine, rows, pad_id=pad_id, objective=objective, reference=reference, bucketed=bucketed)
     return loss, sum(len(row["input_ids"]) + len(row["rejected_input_ids"]) for row in rows), stats
 
 
@@ -153,6 +155,7 @@ class Loop:
     objective: Objective
     pad_id: int
     varlen: bool
+    bucketed: bool  # batches padded to a few widths (data.batches.bucketed_width): static shapes for compiled layers
     rank: int
     world: int
 
@@ -233,7 +236,9 @@ def dpo_reference(loop: Loop, *, saved: dict | None, start: int, fingerprint: st
     if reference is None:
         needed = sorted({int(i) for step in range(start, schedule.max_steps) for i in loop.batch(step)})
         turns = {"rank": loop.rank, "world_size": loop.world, "micro": schedule.micro_batch_size, "pad_id": loop.pad_id}
-        reference = precomputed_reference(loop.engine, loop.train_rows, needed, **turns, initial=initial)
+        reference = precomputed_reference(
+            loop.engine, loop.train_rows, needed, **turns, initial=initial, bucketed=loop.bucketed
+        )
     return reference
 
 
@@ -269,7 +274,13 @@ def accumulate(loop: Loop, batch_rows: list[int], *, reference: dict | None) -> 
         rows = [loop.train_rows[i] for i in indices]
         known = None if reference is None else torch.stack([reference[i] for i in indices])
         loss, row_tokens, stats = _forward(
-            engine, rows, pad_id=loop.pad_id, varlen=loop.varlen, objective=loop.objective, reference=known
+            engine,
+            rows,
+            pad_id=loop.pad_id,
+            varlen=loop.varlen,
+            bucketed=loop.bucketed,
+            objective=loop.objective,
+            reference=known,
         )
         engine.backward(loss if scale == 1 else loss * scale)
         engine.step()
@@ -285,10 +296,11 @@ def validation(loop: Loop, step: int, *, history: History) -> dict:
     subset = [rows[i] for i in range(min(len(rows), schedule.eval_max_rows or len(rows)))]
     turns = {"rank": loop.rank, "world_size": loop.world, "micro": schedule.micro_batch_size, "pad_id": loop.pad_id}
     if loop.objective.kind == "lm":
-        val_loss, _ = validate(loop.engine, subset, **turns, varlen=loop.varlen)
+        val_loss, _ = validate(loop.engine, subset, **turns, varlen=loop.varlen, bucketed=loop.bucketed)
         entry = {"step": step, "val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50.0))}
     else:
-        entry = {"step": step, **validate_pairs(loop.engine, subset, **turns, objective=loop.objective)}
+        pairs = validate_pairs(loop.engine, subset, **turns, objective=loop.objective, bucketed=loop.bucketed)
+        entry = {"step": step, **pairs}
     history.validation.append(entry)
     return entry
 

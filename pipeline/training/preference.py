@@ -34,11 +34,12 @@ class Objective:
     # model the run starts from, train.init_adapter's, once before the first step)
 
 
-def pair_batch(rows: list, pad_id: int) -> dict[str, torch.Tensor]:
-    """The chosen responses of `rows`, then their rejected ones, right-padded into one batch of 2 x len(rows)."""
+def pair_batch(rows: list, pad_id: int, *, bucketed: bool = False) -> dict[str, torch.Tensor]:
+    """The chosen responses of `rows`, then their rejected ones, right-padded into one batch of 2 x len(rows) (with
+    `bucketed`, to one of a few widths: data.batches.bucketed_width)."""
     chosen = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]
     rejected = [{"input_ids": r["rejected_input_ids"], "labels": r["rejected_labels"]} for r in rows]
-    return collate(chosen + rejected, pad_id)
+    return collate(chosen + rejected, pad_id, bucketed=bucketed)
 
 
 def response_logps(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +112,19 @@ def pair_losses(
 
 
 def pair_loss(
-    engine, rows: list, *, pad_id: int, objective: Objective, reference: torch.Tensor | None = None
+    engine,
+    rows: list,
+    *,
+    pad_id: int,
+    objective: Objective,
+    reference: torch.Tensor | None = None,
+    bucketed: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The mean loss of the pairs in `rows`, and STATS (fp64 sums left on the device: the loop reads them once a
     step). DPO's reference: `reference` ([pairs, 2]: chosen, rejected) where precomputed, else computed on the same
     batch."""
     known = {} if reference is None else {"reference": reference}
-    batch = on_device({**pair_batch(rows, pad_id), **known}, engine.device)
+    batch = on_device({**pair_batch(rows, pad_id, bucketed=bucketed), **known}, engine.device)
     reference = batch.pop("reference", None)
     n = len(rows)
     logps, counts = model_logps(engine, batch)
@@ -142,7 +149,16 @@ def pair_loss(
 
 
 def precomputed_reference(
-    engine, rows, indices: list[int], *, rank: int, world_size: int, micro: int, pad_id: int, initial: bool = False
+    engine,
+    rows,
+    indices: list[int],
+    *,
+    rank: int,
+    world_size: int,
+    micro: int,
+    pad_id: int,
+    initial: bool = False,
+    bucketed: bool = False,
 ) -> dict[int, torch.Tensor]:
     """DPO's reference log-probabilities ([2]: chosen, rejected) of the pairs at `indices`, every (data-parallel) rank
     computing every world_size-th micro-batch of them and all ranks receiving all (one all-reduce): the base's (the
@@ -158,7 +174,7 @@ def precomputed_reference(
     with torch.no_grad():
         for start in mine:
             positions = list(range(start, min(start + micro, len(indices))))
-            batch = pair_batch([rows[indices[p]] for p in positions], pad_id)
+            batch = pair_batch([rows[indices[p]] for p in positions], pad_id, bucketed=bucketed)
             ref, _ = model_logps(engine, {k: v.to(engine.device) for k, v in batch.items()}, reference=not initial)
             table[positions] = torch.stack([ref[: len(positions)], ref[len(positions) :]], dim=1).double()
     engine.train()

@@ -253,6 +253,7 @@ def run(plan: Plan) -> None:
             objective=plan.objective,
             pad_id=plan.pad_token_id,
             varlen=plan.launch.attention == FLASH,
+            bucketed=bool(installed.get("compiled_layers")),  # static shapes: a graph for each of a few widths
             rank=layout.data_rank,  # the ranks of a sequence-parallel group share their rows (issue 46)
             world=layout.data_world,
         )

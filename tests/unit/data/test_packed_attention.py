@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-from pipeline.data.batches import collate, pack
+from pipeline.data.batches import bucketed_width, collate, pack
 from tests.unit.kernels.test_fused_loss import batch, loss_and_grads, tiny_lora
 
 VARLEN = "varlen_reference"
@@ -53,15 +53,26 @@ def rows() -> list[dict]:
     return [{"input_ids": inputs["input_ids"][i, :n], "labels": inputs["labels"][i, :n]} for i, n in enumerate(LENGTHS)]
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa", VARLEN])
-def test_packed_rows_give_the_padded_batch_under_every_attention(attention):
+def test_packed_rows_give_the_padded_batch_under_every_attention(attention, bucketed):
+    """`bucketed` (the compiled layers' static shapes): the 38 packed positions padded to 64 by a row of pads."""
     model = tiny_lora([])
     model.set_attn_implementation(attention)
     want, want_grads = loss_and_grads(model, collate(rows(), pad_id=0))
-    got, got_grads = loss_and_grads(model, pack(rows(), pad_id=0, varlen=attention == VARLEN))
+    packed = pack(rows(), pad_id=0, varlen=attention == VARLEN, bucketed=bucketed)
+    assert packed["input_ids"].shape == (1, 64 if bucketed else sum(LENGTHS))
+    got, got_grads = loss_and_grads(model, packed)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     for name in want_grads:
         torch.testing.assert_close(got_grads[name], want_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bucketed_widths_are_few_and_waste_at_most_an_eighth():
+    widths = [bucketed_width(n) for n in range(1, 8193)]
+    assert bucketed_width(1900) == 1920 and bucketed_width(2048) == 2048 and bucketed_width(5) == 64
+    assert all(n <= w <= max(64, n * 1.125) for n, w in zip(range(1, 8193), widths, strict=True))
+    assert len(set(widths)) == 1 + 8 * 7  # 64, then 8 an octave up to 8,192
 
 
 def test_the_rows_bounds_are_what_flash_reads_from_the_positions():
