@@ -55,8 +55,10 @@ def build_engine(plan: Plan):
     if launch.gradient_checkpointing and plan.checkpointed_layers is not None:
         recompute_only_last(model, plan.checkpointed_layers)
     skip = tuple(plan.kernels_skip)
-    if launch.sequence_parallel > 1 or launch.tiled_mlp or launch.checkpoint_offload:
-        skip += ("compiled_layers",)  # the long-sequence paths below rewrite the layers; they are proven eager
+    if launch.sequence_parallel > 1:
+        skip += ("compiled_layers",)  # Ulysses rewrites the attention inside the layers: proven eager only
+    # the tiled MLP and offloaded checkpoints run with the compiled layers (tests/unit/kernels/test_compiled_layers.py;
+    # bench.long_context's GPU path, whose figures calibrated the memory estimate)
     installed = kernels.apply(
         model, device=launch.accelerator, zero_stage=plan.zero_stage, enabled=plan.kernels, skip=skip
     )

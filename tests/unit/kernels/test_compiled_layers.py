@@ -77,3 +77,37 @@ def test_checkpointed_layers_keep_only_their_inputs_once_compiled(monkeypatch):
     torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
     for name, grad in want.items():
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_compiled_layers_under_the_tiled_mlp_and_offloaded_checkpoints_train_as_the_eager_ones(monkeypatch):
+    """The long-sequence paths (issue 46) with the compiled layers, installed in the train stage's order: the MLP in
+    tiles (two here) traced into each layer's graph, the offloaded checkpoint around the compiled forward; the same
+    loss and gradients as the eager layers with the same paths, within fp32 rounding, and no graph compiled again."""
+    from pipeline.kernels import offloaded_checkpoints
+    from pipeline.model import tiled_mlp
+
+    monkeypatch.setattr(linear, "_MATMUL", None)
+    monkeypatch.setattr(lean_layers, "_kernels", lambda x: None)
+    torch._dynamo.reset()
+    models = []
+    for compiled in (False, True):
+        model = tiny_lora(torch.float32, layers=3)
+        for install in (lean_layers.install, lora_linear.install, fused_loss.install):
+            install(model)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compiled:
+            assert compiled_layers.install(model) == 3
+        assert tiled_mlp.install(model) == 3 and offloaded_checkpoints.install(model) == 3
+        models.append(model)
+    eager, compiled = models
+    before = compiled_layers.graphs()
+    want_loss, want, _ = step(eager)
+    got_loss, got, _ = step(compiled)
+    graphs = compiled_layers.graphs() - before
+    assert graphs > 0, "nothing was compiled"
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    step(compiled)
+    assert compiled_layers.graphs() - before == graphs, "a second step compiled again"
