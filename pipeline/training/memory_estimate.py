@@ -227,19 +227,30 @@ def planned(
 AUTO_MARGIN = 0.85  # checkpointing off only where the estimate without it leaves 15% of the GPU's free memory
 
 
-def checkpointing_choice(model: Shapes, setting: Setting, *, device_bytes: float | None) -> tuple[int, str]:
+def checkpointing_choice(
+    model: Shapes, setting: Setting, *, device_bytes: float | None, may_tile: bool = False
+) -> tuple[int, bool, str]:
     """`train.gradient_checkpointing: auto` on a GPU: how many decoder layers recompute their activations, the fewest
     with which the run fits the GPU's free memory with `AUTO_MARGIN` (0 where it fits without: nothing recomputed,
-    fastest; all where even that does not fit), and why, as metrics/train.json says it."""
+    fastest; all where even that does not fit); whether their inputs go to host memory (only where every layer
+    recomputing does not fit, with the MLPs in tiles where `may_tile`: long sequences); and why, as
+    metrics/train.json says it."""
     if device_bytes is None:
-        return model.layers, "auto: on (the GPU's free memory could not be read)"
+        return model.layers, False, "auto: on (the GPU's free memory could not be read)"
     budget = AUTO_MARGIN * device_bytes
     for count in range(model.layers + 1):
         need = per_rank(model, replace(setting, checkpointing=count > 0, checkpointed=count))["device"]
         if need <= budget:
             break
+    free = f"{device_bytes / 1e9:.1f} GB free"
+    every = replace(setting, checkpointing=True, checkpointed=model.layers, tiled_mlp=setting.tiled_mlp or may_tile)
+    if need > budget and per_rank(model, every)["device"] > budget:
+        offloaded = per_rank(model, replace(every, checkpoint_offload=True))
+        if offloaded["device"] <= budget:
+            held = f"about {offloaded['device'] / 1e9:.1f} GB a rank, {offloaded['host'] / 1e9:.1f} GB of host memory"
+            return model.layers, True, f"auto: offload ({held}, {free})"
     which = "off" if count == 0 else "on" if count == model.layers else f"{count} of {model.layers} layers"
-    return count, f"auto: {which} (about {need / 1e9:.1f} GB a rank, {device_bytes / 1e9:.1f} GB free)"
+    return count, False, f"auto: {which} (about {need / 1e9:.1f} GB a rank, {free})"
 
 
 def check_plan(

@@ -283,10 +283,15 @@ def make(
     checkpointed = None
     checkpointing = "auto: off (CPU ranks)" if train.gradient_checkpointing == "auto" else f"set: {stated}"
     if train.gradient_checkpointing == "auto" and launch.accelerator == "cuda":
-        checkpointed, checkpointing = memory_estimate.checkpointing_choice(model, setting, device_bytes=device)
-        launch = dataclasses.replace(launch, gradient_checkpointing=checkpointed > 0)
-        setting = dataclasses.replace(setting, checkpointing=checkpointed > 0, checkpointed=checkpointed)
-        state = dataclasses.replace(state, launch={**state.launch, "gradient_checkpointing": checkpointed > 0})
+        checkpointed, offload, checkpointing = memory_estimate.checkpointing_choice(
+            model, setting, device_bytes=device, may_tile=train.tiled_mlp == "auto"
+        )
+        launch = dataclasses.replace(launch, gradient_checkpointing=checkpointed > 0, checkpoint_offload=offload)
+        setting = dataclasses.replace(
+            setting, checkpointing=checkpointed > 0, checkpointed=checkpointed, checkpoint_offload=offload
+        )
+        chosen = {"gradient_checkpointing": checkpointed > 0, "checkpoint_offload": offload}
+        state = dataclasses.replace(state, launch={**state.launch, **chosen})
     estimate = memory_estimate.check_plan(
         model,
         setting,
