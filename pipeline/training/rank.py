@@ -69,6 +69,8 @@ def build_engine(plan: Plan):
         installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)
     if launch.checkpoint_offload:
         installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
+    if plan.zero_stage == 3:
+        gather_whole_layers(model)
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(
@@ -162,6 +164,21 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
         log.info(f"{json.dumps(metrics)}")
 
     return Reporting(log=log_step, progress=progress, describe=describe), finish
+
+
+def gather_whole_layers(model) -> None:
+    """ZeRO-3 gathers each decoder layer's weights at once, as DeepSpeed's leaf modules: one fetch and release a layer,
+    where the hooks of every module inside it (a LoRA layer is several) ran in Python forward and backward (on an H200 the
+    8B step waited 917 ms for them, ZeRO-3 at 0.19x ZeRO-2). A leaf gathers for the backward pass through its input,
+    so the first layer's input is made to need a gradient (PEFT's `enable_input_require_grads`: with frozen embeddings
+    it would not; the backward then read a partitioned, empty weight)."""
+    from deepspeed.utils import set_z3_leaf_modules
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = {type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
+    if layers:
+        set_z3_leaf_modules(model, sorted(layers, key=lambda cls: cls.__qualname__))
+        model.enable_input_require_grads()
 
 
 def compiled_graphs(installed: dict[str, int]) -> dict[str, int]:
