@@ -167,11 +167,11 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
 
 
 def gather_whole_layers(model) -> None:
-    """ZeRO-3 gathers each decoder layer's weights at once, as DeepSpeed's leaf modules: one fetch and release a layer,
-    where the hooks of every module inside it (a LoRA layer is several) ran in Python forward and backward (on an H200 the
-    8B step waited 917 ms for them, ZeRO-3 at 0.19x ZeRO-2). A leaf gathers for the backward pass through its input,
-    so the first layer's input is made to need a gradient (PEFT's `enable_input_require_grads`: with frozen embeddings
-    it would not; the backward then read a partitioned, empty weight)."""
+    """ZeRO-3 gathers each decoder layer's weights at once, as DeepSpeed's leaf modules: one fetch and release a
+    layer, where the hooks of every module inside it (a LoRA layer is several) ran in Python forward and backward (on
+    an H200 the 8B step waited 917 ms for them, ZeRO-3 at 0.19x ZeRO-2). A leaf gathers for the backward pass through
+    its input, so the first layer's input is made to need a gradient (PEFT's `enable_input_require_grads`: with frozen
+    embeddings it would not; the backward then read a partitioned, empty weight)."""
     from deepspeed.utils import set_z3_leaf_modules
     from transformers.modeling_layers import GradientCheckpointingLayer
 
