@@ -127,7 +127,7 @@ def check(*, work: Path, tokenizer: Path, corpus: Path, accelerator: str, steps:
     base = work / "base"
     start = time.perf_counter()
     shape = SHAPE if accelerator == "cuda" else SMOKE_SHAPE
-    steps_log.figures["parameters"] = write_random_llama(base, tokenizer, shape=shape)
+    steps_log.figures["parameters"] = write_random_llama(base, tokenizer, shape=shape, device=accelerator)
     steps_log.record("random_base", {"ok": True, "seconds": round(time.perf_counter() - start, 1)})
 
     def params(zero: int, quantized: bool = False, preference: bool = False, start: Path | None = None) -> Path:

@@ -170,7 +170,7 @@ def measure(*, work: Path, variants: list[str], steps: int, tokenizer: Path, cor
     shape, block = (SMOKE_SHAPE, SMOKE_BLOCK) if smoke else (SHAPE, BLOCK)
     base = work / "base"
     if not (base / "config.json").is_file():
-        write_random_llama(base, tokenizer, shape=shape)
+        write_random_llama(base, tokenizer, shape=shape, device=accelerator)
     # each side fits data.max_seq_len (block / 2 tokens) with its prompt in the Alpaca template (about 50 tokens):
     # about 1.9 tokens a character here; at smoke size a few characters and room for the template
     characters = max(8, (block // 2 - 64) // 2)
