@@ -16,6 +16,7 @@ from pipeline.checkpoints import folder
 from pipeline.checkpoints.universal import link_optimizer_state
 from pipeline.checkpoints.zero_shards import MOMENTS
 from pipeline.data.batches import on_device, pack, target_count
+from pipeline.kernels import compiled_layers
 from pipeline.training import figures, sequence_parallel
 from pipeline.training.preference import STATS, Objective, described, pair_loss, precomputed_reference
 from pipeline.training.profile import profiled_steps
@@ -182,7 +183,22 @@ class Progress:
     wall_before: float = 0.0
     peaks_before: dict = field(default_factory=dict)
     begin: float = field(default_factory=time.perf_counter)
-    first: tuple[float, float] | None = None  # (tokens, seconds) after this segment's first step (its warm-up)
+    first: tuple[float, float] | None = None  # (tokens, seconds) after this segment's warm-up: its first step, and
+    # any later one that compiled a graph (a new width of DPO's pairs)
+
+    def add_step(self, tokens: float, seconds: float, *, compiled: bool) -> None:
+        """Count a step of `tokens` trained in `seconds`; one that `compiled` a graph is a warm-up step, as the
+        segment's first is."""
+        self.tokens += tokens
+        self.train_seconds += seconds
+        if self.first is None or compiled:
+            self.first = (self.tokens, self.train_seconds)
+
+    def steady_tokens_per_s(self) -> float | None:
+        """Tokens a second over the steps after the warm-up; None where none came after it."""
+        if self.first is None or self.train_seconds <= self.first[1]:
+            return None
+        return (self.tokens - self.first[0]) / (self.train_seconds - self.first[1])
 
     @classmethod
     def resumed(cls, saved: dict | None) -> Progress:
@@ -245,15 +261,13 @@ def dpo_reference(loop: Loop, *, saved: dict | None, start: int, fingerprint: st
 def train_step(loop: Loop, step: int, *, reference: dict | None, progress: Progress) -> dict:
     """Optimizer step `step` (from 1): this rank's micro-batches (`accumulate`), their loss, tokens and figures
     summed over the world; the step's record, kept in the history."""
-    tick = time.perf_counter()
+    tick, graphs = time.perf_counter(), compiled_layers.graphs()
     lr = loop.engine.get_lr()[0]
     loss_sum, step_tokens, sums = accumulate(loop, loop.batch(step - 1), reference=reference)
     loss_total, tokens_total, *summed = _all_reduce_sum(
         [loss_sum, float(step_tokens), *sums.values()], loop.engine.device
     )
-    progress.train_seconds += time.perf_counter() - tick
-    progress.tokens += tokens_total
-    progress.first = progress.first or (progress.tokens, progress.train_seconds)
+    progress.add_step(tokens_total, time.perf_counter() - tick, compiled=compiled_layers.graphs() != graphs)
     record = {"step": step, "loss": loss_total / (loop.schedule.accumulation * loop.world), "lr": lr}
     if sums:
         record |= described(dict(zip(sums, summed, strict=True)))
@@ -349,10 +363,9 @@ def checkpoint(
 
 
 def final_summary(progress: Progress, *, wall: float, peaks: dict, steps: int) -> dict:
-    """The run's figures at its last step; the steady throughput leaves out this segment's first step (CUDA and
-    cuBLAS start in it), None where the segment had no other."""
+    """The run's figures at its last step; the steady throughput leaves out this segment's warm-up (its first step,
+    where CUDA and cuBLAS start, and every step that compiled a graph), None where no step came after it."""
     p = progress
     summary = figures.summary(p.history, steps, p.start, p.tokens, p.train_seconds, wall, peaks)
-    steady = p.train_seconds - p.first[1]
-    summary["steady_tokens_per_s"] = (p.tokens - p.first[0]) / steady if steps - 1 > p.start and steady > 0 else None
+    summary["steady_tokens_per_s"] = p.steady_tokens_per_s()
     return summary

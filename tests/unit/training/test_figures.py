@@ -1,4 +1,4 @@
-"""MFU's parts: the card's peak from its name, and LoRA's FLOPs per token."""
+"""MFU's parts: the card's peak from its name, and LoRA's FLOPs per token; the steady throughput's warm-up."""
 
 from __future__ import annotations
 
@@ -28,3 +28,26 @@ def test_lora_flops_leave_out_the_embedding_lookup_and_count_causal_attention():
     assert got == 4 * (n - 128_256 * 4096) + 6 * 32 * 4096 * 4096
     tied = SimpleNamespace(**{**vars(llama3_8b), "tie_word_embeddings": True})  # the head multiplies: all of N
     assert flops_per_token(n_params=n, model_config=tied, seq_len=4096) == 4 * n + 6 * 32 * 4096 * 4096
+
+
+def test_steady_throughput_leaves_out_the_first_step_and_every_step_that_compiled():
+    from pipeline.training.loop import Progress
+
+    progress = Progress()
+    progress.add_step(100, 4.0, compiled=True)  # CUDA starts, the first graphs
+    progress.add_step(100, 0.5, compiled=False)
+    progress.add_step(100, 3.0, compiled=True)  # a new width of DPO's pairs: its graphs
+    assert progress.steady_tokens_per_s() is None  # no step after the warm-up yet
+    progress.add_step(100, 0.5, compiled=False)
+    progress.add_step(100, 0.5, compiled=False)
+    assert progress.steady_tokens_per_s() == pytest.approx(200 / 1.0)
+    assert progress.tokens == 500 and progress.train_seconds == pytest.approx(8.5)  # every step still counted
+
+
+def test_a_resumed_segment_of_one_step_has_no_steady_throughput():
+    from pipeline.training.loop import Progress
+
+    progress = Progress.resumed({"step": 4, "history": {"train": [], "validation": []}, "tokens_seen": 400,
+                                 "train_seconds": 9.0})  # fmt: skip
+    progress.add_step(100, 0.5, compiled=False)
+    assert progress.steady_tokens_per_s() is None
