@@ -5,7 +5,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `lean_layers`: LLaMA's SwiGLU MLP and RMSNorm keeping less for the backward pass (any device; C++ on a CPU).
 - `fused_loss`: the output head and the cross-entropy a chunk at a time, no full logits (any device; under ZeRO-3
   where the head is frozen: it is gathered for the micro-batch).
-- `lora_linear`: a PEFT LoRA Linear layer's step as one autograd function (any device; not ZeRO-3).
+- `lora_linear`: a PEFT LoRA Linear layer's step as one autograd function (any device; under ZeRO-3 inside the
+  decoder layers, which ZeRO-3 gathers whole).
 - `linear`: frozen fp32 Linear layers through oneDNN's matmul (CPU).
 - `attention`: SDPA's forward, the backward as matmuls in causal query blocks and two C++ passes (CPU).
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
@@ -43,7 +44,7 @@ MODULES = {  # imported only when chosen
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
-NOT_UNDER_ZERO3 = ("lora_linear", "compiled_layers")  # ZeRO-3 gathers a layer's weights only when that layer is called
+NOT_UNDER_ZERO3 = ("compiled_layers",)  # not proven under ZeRO-3's gathering
 ENGINE = ("zero_tail",)  # installed on the engine DeepSpeed built (tune_engine), on any device
 
 
@@ -72,7 +73,7 @@ def apply(model, *, device: str, zero_stage: int, enabled: str, skip: tuple[str,
         module = importlib.import_module(MODULES[name])
         # lean_layers uses the C++ kernels only for a CPU run; the others pick per call, by their tensors' device
         options = {"cpp": device == "cpu"} if name == "lean_layers" else {}
-        options = {"partitioned": zero_stage == 3} if name == "fused_loss" else options
+        options = {"partitioned": zero_stage == 3} if name in ("fused_loss", "lora_linear") else options
         installed[name] = int(module.install(model, **options))
     return installed
 

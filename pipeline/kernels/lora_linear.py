@@ -8,8 +8,9 @@ into the base's output by one matmul (addmm, alpha = s), and in the backward pas
 and the branch's input gradient is added into the base's by one matmul. The same products in another order: within
 rounding of PEFT's (tests/unit/kernels/test_lora_linear.py). It keeps what PEFT keeps (x_d for A's gradient, x_d A^T for
 B's; the frozen weight), and the base's matmuls are `linear.matmul_nt`'s. Anything else (DoRA, several or merged or
-disabled adapters, mixed dtypes, a trained base) runs PEFT's own forward. Not under ZeRO-3, whose hooks gather each
-layer's weights only when that layer is called."""
+disabled adapters, mixed dtypes, a trained base) runs PEFT's own forward. Under ZeRO-3 only inside a decoder layer,
+which the rank gathers whole (`training/rank.py: gather_whole_layers`): elsewhere ZeRO-3's hooks gather each module's
+weights when that module is called, and this forward calls none of them."""
 
 from __future__ import annotations
 
@@ -78,12 +79,15 @@ def _fused_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     )
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give every PEFT LoRA Linear layer inside `model` the fused forward; how many."""
+def install(model: torch.nn.Module, *, partitioned: bool = False) -> int:
+    """Give every PEFT LoRA Linear layer inside `model` (ZeRO-3's `partitioned` model: inside its decoder layers) the
+    fused forward; how many."""
     from peft.tuners.lora.layer import Linear
 
+    from pipeline.kernels.compiled_layers import decoder_layers
+
     changed = 0
-    for module in model.modules():
+    for module in (m for root in (decoder_layers(model) if partitioned else [model]) for m in root.modules()):
         if type(module) is Linear:
             module.forward = MethodType(_fused_forward, module)
             changed += 1

@@ -173,9 +173,10 @@ def gather_whole_layers(model) -> None:
     its input, so the first layer's input is made to need a gradient (PEFT's `enable_input_require_grads`: with frozen
     embeddings it would not; the backward then read a partitioned, empty weight)."""
     from deepspeed.utils import set_z3_leaf_modules
-    from transformers.modeling_layers import GradientCheckpointingLayer
 
-    layers = {type(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)}
+    from pipeline.kernels.compiled_layers import decoder_layers
+
+    layers = {type(m) for m in decoder_layers(model)}
     if layers:
         set_z3_leaf_modules(model, sorted(layers, key=lambda cls: cls.__qualname__))
         model.enable_input_require_grads()

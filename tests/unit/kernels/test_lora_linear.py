@@ -64,3 +64,19 @@ def _check_what_it_does_not_fuse_runs_peft_s_forward(device: str) -> None:
         plain.merge_adapter()
         fused.merge_adapter()
         assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_under_zero3_only_the_decoder_layers_lora_is_fused():
+    """ZeRO-3 gathers the decoder layers whole (their LoRA layers' weights with them) and any other module when it is
+    called, which the fused forward never does: a LoRA head stays PEFT's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers.tiny_model import tiny_llama_config
+
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=[*TARGETS, "lm_head"]))
+    partitioned = copy.deepcopy(model)
+    assert lora_linear.install(model) == 2 * len(TARGETS) + 1
+    assert lora_linear.install(partitioned, partitioned=True) == 2 * len(TARGETS)
+    assert "forward" not in vars(partitioned.base_model.model.lm_head)  # PEFT's own

@@ -17,9 +17,9 @@ from tests.conftest import REPO
     ("device", "zero_stage", "enabled", "expected"),
     [
         ("cpu", 2, "auto", ("lean_layers", "fused_loss", "lora_linear", "linear", "attention")),
-        ("cpu", 3, "auto", ("lean_layers", "fused_loss", "linear", "attention")),
+        ("cpu", 3, "auto", ("lean_layers", "fused_loss", "lora_linear", "linear", "attention")),
         ("cuda", 2, "auto", ("lean_layers", "fused_loss", "lora_linear", "compiled_layers")),
-        ("cuda", 3, "auto", ("lean_layers", "fused_loss")),
+        ("cuda", 3, "auto", ("lean_layers", "fused_loss", "lora_linear")),
         ("cpu", 2, "off", ()),
         ("cuda", 0, "off", ()),
     ],
