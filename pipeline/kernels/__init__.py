@@ -10,7 +10,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `linear`: frozen fp32 Linear layers through oneDNN's matmul (CPU).
 - `attention`: SDPA's forward, the backward as matmuls in causal query blocks and two C++ passes (CPU).
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
-- `compiled_layers`: each decoder layer through torch.compile, its elementwise work fused (CUDA, ZeRO 0-2).
+- `compiled_layers`: each decoder layer through torch.compile, its elementwise work fused (CUDA; under ZeRO-3 the
+  layer is gathered whole around the compiled forward).
 - `zero_tail`: ZeRO-1/2's overflow check and clipping norm as one fused pass over the gradient partition (any device).
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
   (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
@@ -44,7 +45,6 @@ MODULES = {  # imported only when chosen
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
-NOT_UNDER_ZERO3 = ("compiled_layers",)  # not proven under ZeRO-3's gathering
 ENGINE = ("zero_tail",)  # installed on the engine DeepSpeed built (tune_engine), on any device
 
 
@@ -56,20 +56,20 @@ def _checked(enabled: str, skip: tuple[str, ...]) -> None:
         raise ValueError(f"train.kernels_skip: {unknown} are not kernel paths; expected some of {sorted(MODULES)}")
 
 
-def chosen(*, device: str, zero_stage: int, enabled: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The layer paths a rank training on `device` ("cpu", "cuda", ...) installs under ZeRO `zero_stage`."""
+def chosen(*, device: str, enabled: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The layer paths a rank training on `device` ("cpu", "cuda", ...) installs (under any ZeRO stage)."""
     _checked(enabled, skip)
     if enabled == "off":
         return ()
     names = GENERIC + (CPU_ONLY if device == "cpu" else CUDA_ONLY if device == "cuda" else ())
-    return tuple(n for n in names if not (zero_stage == 3 and n in NOT_UNDER_ZERO3) and n not in skip)
+    return tuple(n for n in names if n not in skip)
 
 
 def apply(model, *, device: str, zero_stage: int, enabled: str, skip: tuple[str, ...] = ()) -> dict[str, int]:
     """Install the chosen layer paths into `model` (a PEFT model, before DeepSpeed wraps it); how many modules each
     changed (0 where one does not apply to this model, such as an fp32 norm without the C++ kernels)."""
     installed = {}
-    for name in chosen(device=device, zero_stage=zero_stage, enabled=enabled, skip=skip):
+    for name in chosen(device=device, enabled=enabled, skip=skip):
         module = importlib.import_module(MODULES[name])
         # lean_layers uses the C++ kernels only for a CPU run; the others pick per call, by their tensors' device
         options = {"cpp": device == "cpu"} if name == "lean_layers" else {}

@@ -265,7 +265,7 @@ def make(
 
     ds_config = built()
     skip = tuple(train.kernels_skip)  # checked here, before any launch
-    kernels.chosen(device=launch.accelerator, zero_stage=deepspeed.stage, enabled=train.kernels, skip=skip)
+    kernels.chosen(device=launch.accelerator, enabled=train.kernels, skip=skip)
     model, setting = memory_estimate.planned(
         paths=paths,
         state=state,

@@ -11,7 +11,7 @@ import torch
 
 from pipeline.data.batches import collate
 from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear
-from tests.helpers.lora_model import step, tiny_lora
+from tests.helpers.lora_model import TARGETS, step, tiny_lora
 
 
 def test_compiled_layers_train_as_the_eager_ones(monkeypatch):
@@ -111,3 +111,26 @@ def test_compiled_layers_under_the_tiled_mlp_and_offloaded_checkpoints_train_as_
         torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=name)
     step(compiled)
     assert compiled_layers.graphs() - before == graphs, "a second step compiled again"
+
+
+def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
+    """Under ZeRO-3, which gathers each decoder layer whole before its forward and again before its backward, and
+    releases it after: one rank over gloo in a process of its own (tests/helpers/compiled_zero3_worker.py), two steps
+    of a tiny LoRA model with a trained head, the same losses and trained tensors compiled as eager."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from pipeline.core.environment import with_venv_path
+    from tests.conftest import REPO
+
+    command = [sys.executable, "-m", "tests.helpers.compiled_zero3_worker", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    eager, compiled = (load_file(tmp_path / f"{name}.safetensors") for name in ("eager", "compiled"))
+    assert eager.keys() == compiled.keys() and sum("lora_" in k for k in eager) == 3 * 2 * len(TARGETS)
+    for name, tensor in eager.items():
+        torch.testing.assert_close(compiled[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+    assert json.loads((tmp_path / "graphs.json").read_text())["graphs"] == 2

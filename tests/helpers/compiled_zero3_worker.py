@@ -1,0 +1,67 @@
+"""Started by tests/unit/kernels/test_compiled_layers.py as a process of its own (one rank over gloo, no launcher): a
+tiny LoRA model with a trained head under ZeRO-3, its decoder layers gathered whole as the rank gathers them, over
+the layer paths a GPU installs; trained two steps with the layers eager, then compiled. Writes each run's losses and
+gathered trained tensors to OUT/{eager,compiled}.safetensors and the graphs compiled to OUT/graphs.json."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline.core import imports
+from pipeline.core.environment import free_port
+from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear
+from pipeline.model.lora import parameter_groups
+from pipeline.training import ds_config, loop
+from pipeline.training.rank import gather_whole_layers
+from tests.helpers.lora_model import tiny_lora
+from tests.helpers.zero_worker import EPSILON  # Adam's, large enough not to amplify rounding residues
+
+
+def train(*, compiled: bool) -> dict[str, torch.Tensor]:
+    deepspeed = imports.deepspeed()
+    model = tiny_lora(torch.float32, layers=3)
+    lean_layers.install(model)
+    lora_linear.install(model, partitioned=True)
+    fused_loss.install(model, partitioned=True)
+    if compiled:
+        assert compiled_layers.install(model) == 3
+    gather_whole_layers(model)
+    config = ds_config.build(
+        zero=ds_config.ZeroSettings(stage=3), precision="fp32", micro=1, accumulation=1, world_size=1, lr=1e-2,
+        weight_decay=0.0, adam_epsilon=EPSILON, max_grad_norm=1.0,
+    )  # fmt: skip
+    groups = parameter_groups(model, 0.0, lr=1e-2, lr_ratio=None)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    engine.train()
+    losses = []
+    for step in range(2):
+        ids = torch.randint(0, 101, (1, 17), generator=torch.Generator().manual_seed(step))
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    return {"losses": torch.stack(losses), **loop.gathered_trainable(engine)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    linear._MATMUL = None  # a GPU's matmuls: torch's
+    lean_layers._kernels = lambda x: None  # a GPU's MLP and norm: torch's operators
+    imports.deepspeed().init_distributed(dist_backend="gloo")
+    for name in ("eager", "compiled"):
+        before = compiled_layers.graphs()
+        tensors = train(compiled=name == "compiled")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"{name}.safetensors"))
+        if name == "compiled":
+            (args.out / "graphs.json").write_text(json.dumps({"graphs": compiled_layers.graphs() - before}))
+
+
+if __name__ == "__main__":
+    main()
