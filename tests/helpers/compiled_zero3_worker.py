@@ -24,6 +24,7 @@ from tests.helpers.zero_worker import EPSILON  # Adam's, large enough not to amp
 def train(*, compiled: bool) -> dict[str, torch.Tensor]:
     deepspeed = imports.deepspeed()
     model = tiny_lora(torch.float32, layers=3)
+    model.config.use_cache = False  # as load_lora_model sets it: no KV cache in training
     lean_layers.install(model)
     lora_linear.install(model, partitioned=True)
     fused_loss.install(model, partitioned=True)

@@ -116,7 +116,8 @@ def test_compiled_layers_under_the_tiled_mlp_and_offloaded_checkpoints_train_as_
 def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     """Under ZeRO-3, which gathers each decoder layer whole before its forward and again before its backward, and
     releases it after: one rank over gloo in a process of its own (tests/helpers/compiled_zero3_worker.py), two steps
-    of a tiny LoRA model with a trained head, the same losses and trained tensors compiled as eager."""
+    of a tiny LoRA model with a trained head, the same losses and trained tensors compiled as eager, no graph compiled
+    again in the second step."""
     import json
     import subprocess
     import sys
@@ -133,4 +134,5 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     assert eager.keys() == compiled.keys() and sum("lora_" in k for k in eager) == 3 * 2 * len(TARGETS)
     for name, tensor in eager.items():
         torch.testing.assert_close(compiled[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
-    assert json.loads((tmp_path / "graphs.json").read_text())["graphs"] == 2
+    # one graph for every layer and both steps: under ZeRO-3 the first layer's input needs a gradient too
+    assert json.loads((tmp_path / "graphs.json").read_text())["graphs"] == 1
