@@ -15,6 +15,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `zero_tail`: ZeRO-1/2's overflow check and clipping norm as one fused pass over the gradient partition (any device).
 - `zero3_lists`: ZeRO-3's list of each module's parameters read once, not walked in Python at every fetch and
   release (any device).
+- `zero3_fetch`: ZeRO-3's fetch of a partition that is the whole tensor on the device already (one rank), without
+  DeepSpeed's host sync (any device).
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
   (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
 - `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
@@ -44,11 +46,16 @@ MODULES = {  # imported only when chosen
     "compiled_layers": "pipeline.kernels.compiled_layers",
     "zero_tail": "pipeline.kernels.zero_tail",
     "zero3_lists": "pipeline.kernels.zero3_lists",
+    "zero3_fetch": "pipeline.kernels.zero3_fetch",
 }
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
-ENGINE = ("zero_tail", "zero3_lists")  # installed on the engine DeepSpeed built (tune_engine), on any device
+ENGINE = (
+    "zero_tail",
+    "zero3_lists",
+    "zero3_fetch",
+)  # installed on the engine DeepSpeed built (tune_engine), on any device
 
 
 def _checked(enabled: str, skip: tuple[str, ...]) -> None:

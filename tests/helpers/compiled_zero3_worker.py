@@ -1,7 +1,9 @@
 """Started by tests/unit/kernels/test_compiled_layers.py as a process of its own (one rank over gloo, no launcher): a
 tiny LoRA model with a trained head under ZeRO-3, its decoder layers gathered whole as the rank gathers them, over
-the layer paths a GPU installs; trained two steps with the layers eager, then compiled. Writes each run's losses and
-gathered trained tensors to OUT/{eager,compiled}.safetensors and the graphs compiled to OUT/graphs.json."""
+the layer paths a GPU installs; trained two steps with the layers eager, then compiled, then eager with the fetch of
+`kernels/zero3_fetch.py` (one rank: no gather). Writes each run's losses and gathered trained tensors to
+OUT/{eager,compiled,fetched}.safetensors, and the graphs compiled and the fetches without a host sync to
+OUT/counts.json."""
 
 import argparse
 import json
@@ -13,7 +15,7 @@ from safetensors.torch import save_file
 
 from pipeline.core import imports
 from pipeline.core.environment import free_port
-from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear
+from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear, zero3_fetch
 from pipeline.model.lora import parameter_groups
 from pipeline.training import ds_config, loop
 from pipeline.training.rank import gather_whole_layers
@@ -21,7 +23,7 @@ from tests.helpers.lora_model import tiny_lora
 from tests.helpers.zero_worker import EPSILON  # Adam's, large enough not to amplify rounding residues
 
 
-def train(*, compiled: bool) -> dict[str, torch.Tensor]:
+def train(*, compiled: bool, fetched: bool) -> dict[str, torch.Tensor]:
     deepspeed = imports.deepspeed()
     model = tiny_lora(torch.float32, layers=3)
     model.config.use_cache = False  # as load_lora_model sets it: no KV cache in training
@@ -37,6 +39,8 @@ def train(*, compiled: bool) -> dict[str, torch.Tensor]:
     )  # fmt: skip
     groups = parameter_groups(model, 0.0, lr=1e-2, lr_ratio=None)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
+    if fetched:
+        assert zero3_fetch.install(engine)
     engine.train()
     losses = []
     for step in range(2):
@@ -56,12 +60,15 @@ def main() -> None:
     linear._MATMUL = None  # a GPU's matmuls: torch's
     lean_layers._kernels = lambda x: None  # a GPU's MLP and norm: torch's operators
     imports.deepspeed().init_distributed(dist_backend="gloo")
-    for name in ("eager", "compiled"):
+    waits, wait = [], zero3_fetch._Fetched.wait
+    zero3_fetch._Fetched.wait = lambda handle, **kwargs: (waits.append(1), wait(handle, **kwargs))[1]  # counted
+    counts = {}
+    for name in ("eager", "compiled", "fetched"):
         before = compiled_layers.graphs()
-        tensors = train(compiled=name == "compiled")
+        tensors = train(compiled=name == "compiled", fetched=name == "fetched")
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"{name}.safetensors"))
-        if name == "compiled":
-            (args.out / "graphs.json").write_text(json.dumps({"graphs": compiled_layers.graphs() - before}))
+        counts[f"{name}_graphs"] = compiled_layers.graphs() - before
+    (args.out / "counts.json").write_text(json.dumps({**counts, "fetches": len(waits)}))
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     """Under ZeRO-3, which gathers each decoder layer whole before its forward and again before its backward, and
     releases it after: one rank over gloo in a process of its own (tests/helpers/compiled_zero3_worker.py), two steps
     of a tiny LoRA model with a trained head, the same losses and trained tensors compiled as eager, no graph compiled
-    again in the second step."""
+    again in the second step; and with zero3_fetch's fetch (no host sync) the very tensors of DeepSpeed's."""
     import json
     import subprocess
     import sys
@@ -130,9 +130,15 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     command = [sys.executable, "-m", "tests.helpers.compiled_zero3_worker", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    eager, compiled = (load_file(tmp_path / f"{name}.safetensors") for name in ("eager", "compiled"))
-    assert eager.keys() == compiled.keys() and sum("lora_" in k for k in eager) == 3 * 2 * len(TARGETS)
+    eager, compiled, fetched = (load_file(tmp_path / f"{n}.safetensors") for n in ("eager", "compiled", "fetched"))
+    assert eager.keys() == compiled.keys() == fetched.keys() and sum("lora_" in k for k in eager) == 3 * 2 * len(
+        TARGETS
+    )
     for name, tensor in eager.items():
         torch.testing.assert_close(compiled[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(fetched[name], tensor, atol=0, rtol=0, msg=name)  # the same tensors, no copy
+    counts = json.loads((tmp_path / "counts.json").read_text())
     # one graph for every layer and both steps: under ZeRO-3 the first layer's input needs a gradient too
-    assert json.loads((tmp_path / "graphs.json").read_text())["graphs"] == 1
+    assert counts["compiled_graphs"] == 1
+    # zero3_fetch fetched every layer, the embedding and the head without DeepSpeed's handle, both steps
+    assert counts["fetches"] >= 2 * 2 * 3, counts
