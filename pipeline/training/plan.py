@@ -16,7 +16,7 @@ from pipeline.checkpoints import adapter, folder
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, read_json
 from pipeline.core.log import logger
-from pipeline.data.tokenizer import META, load_tokenizer
+from pipeline.data.tokenizer import META, light_tokenizer, load_tokenizer
 from pipeline.launching.settings import Launch, check_world
 from pipeline.model import outline
 from pipeline.model.lora import ALL_LINEAR, LoraSpec, check_targets, describe_targets, resolve_targets
@@ -306,7 +306,9 @@ def make(
         log.info("the MLPs run a tile of positions at a time (train.tiled_mlp auto): the run fits only so")
     launch = dataclasses.replace(launch, tiled_mlp=estimate["tiled_mlp"])
     state = dataclasses.replace(state, launch={**state.launch, "tiled_mlp": launch.tiled_mlp})
-    tokenizer = load_tokenizer(paths.tokenizer)  # the ranks only need its pad id: they skip loading it
+    # the ranks only need its pad id (they skip loading it): read without transformers where it can be (its import,
+    # about 2 s, on the core a rank imports on)
+    tokenizer = light_tokenizer(paths.tokenizer) or load_tokenizer(paths.tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     spec = lora.model_dump(exclude={"lr_ratio", "quantization", "compute_dtype"})
     return Plan(
