@@ -51,11 +51,8 @@ MODULES = {  # imported only when chosen
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
-ENGINE = (
-    "zero_tail",
-    "zero3_lists",
-    "zero3_fetch",
-)  # installed on the engine DeepSpeed built (tune_engine), on any device
+# installed on the engine DeepSpeed built (tune_engine), on any device
+ENGINE = ("zero_tail", "zero3_lists", "zero3_fetch")
 
 
 def _checked(enabled: str, skip: tuple[str, ...]) -> None:

@@ -29,14 +29,14 @@ def _on_device_first(deepspeed_no_gather):
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    def on_device(param) -> bool:
+    def on_device(param, here: torch.device) -> bool:
         partition = param.ds_tensor
-        here = torch.device(get_accelerator().current_device_name())
         return partition is not None and partition.device == here and not hasattr(partition, "ds_quant_scale")
 
     def no_gather(params):
         params = list(params)
-        if not params or not all(on_device(p) for p in params):
+        here = torch.device(get_accelerator().current_device_name())
+        if not params or not all(on_device(p, here) for p in params):
             return deepspeed_no_gather(params)
         for param in params:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
@@ -50,12 +50,16 @@ def _on_device_first(deepspeed_no_gather):
 
 
 class _Fetched:
-    """A fetch that copied nothing: waiting marks its parameters available (DeepSpeed's handles' states)."""
+    """A fetch that copied nothing: the first wait marks its parameters available (DeepSpeed's handles' states); the
+    later ones, which DeepSpeed makes once for each parameter of the fetch, return at once, as its handles' do."""
 
     def __init__(self, params: list, status) -> None:
-        self.params, self.status = params, status
+        self.params, self.status, self.done = params, status, False
 
     def wait(self, **kwargs) -> None:
+        if self.done:
+            return
         for param in self.params:
             if param.ds_status == self.status.INFLIGHT:
                 param.ds_status = self.status.AVAILABLE
+        self.done = True

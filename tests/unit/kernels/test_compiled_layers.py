@@ -131,9 +131,8 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     eager, compiled, fetched = (load_file(tmp_path / f"{n}.safetensors") for n in ("eager", "compiled", "fetched"))
-    assert eager.keys() == compiled.keys() == fetched.keys() and sum("lora_" in k for k in eager) == 3 * 2 * len(
-        TARGETS
-    )
+    assert eager.keys() == compiled.keys() == fetched.keys()
+    assert sum("lora_" in k for k in eager) == 3 * 2 * len(TARGETS)
     for name, tensor in eager.items():
         torch.testing.assert_close(compiled[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
         torch.testing.assert_close(fetched[name], tensor, atol=0, rtol=0, msg=name)  # the same tensors, no copy
