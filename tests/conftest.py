@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -184,6 +185,27 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
         extra=tensorboard,
     )
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_servers(tmp_path_factory):
+    """The session's launches fork their ranks from servers that have done a rank's imports (about 5 s of CPU a rank,
+    `pipeline/launching/rank_server.py`); ended with the session. `TRAIN_RANK_SERVERS=off`: every rank fresh."""
+    import signal
+
+    from pipeline.launching import rank_server
+
+    if os.environ.pop(rank_server.FOLDER, None) == "off":
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("rank_servers")
+    (folder / "owner").write_text(str(os.getpid()))
+    os.environ[rank_server.FOLDER] = str(folder)
+    yield folder
+    del os.environ[rank_server.FOLDER]
+    for pid_file in folder.glob("*.pid"):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
 
 @pytest.fixture(scope="session", autouse=True)

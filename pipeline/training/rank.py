@@ -295,13 +295,10 @@ def main() -> None:
     """The rank's process: imports, then waits until the stage releases it (started ahead on one node), then runs
     the plan the stage wrote."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--plan", type=Path, required=True, help="the run's plan.json (written by the train stage)")
-    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
-    args = parser.parse_args()
     from pipeline.core import imports
     from pipeline.core.errors import guarded
     from pipeline.core.quiet import quiet_third_parties
+    from pipeline.launching import rank_server
     from pipeline.launching.ranks import KEEP_BITSANDBYTES, released
     from pipeline.launching.rendezvous import join
 
@@ -312,6 +309,13 @@ def main() -> None:
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401
 
+    if os.environ.get(rank_server.SERVE):  # a server of ranks: goes on in each rank it forks
+        rank_server.serve(os.environ[rank_server.SERVE])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--plan", type=Path, required=True, help="the run's plan.json (written by the train stage)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="passed by the deepspeed launcher")
+    args = parser.parse_args()
     released()  # the stage's checks are done and the plan is written
     plan = plans.read(args.plan)
     launch = plan.launch

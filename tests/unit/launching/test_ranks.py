@@ -1,5 +1,5 @@
 """Child-process plumbing: stale DeepSpeed shared-memory files are removed, live ones kept; ranks started ahead of
-their launch run only once released, and end when the stage cancels them or dies first."""
+their launch run only once released, and end when the stage cancels them or dies first, or one of them dies."""
 
 from __future__ import annotations
 
@@ -117,3 +117,16 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def test_a_rank_that_died_before_its_release_ends_the_launch_with_its_exit_code(tmp_path):
+    """A rank killed while it imports (out of memory, say): releasing the others does not fail on its closed pipe,
+    the launch ends with its exit code, and the rank that was released is ended, not left waiting for it."""
+    ranks = Ranks([sys.executable, "-c", RANK + "\nimport time; time.sleep(600)", str(tmp_path)], ranks=2,
+                  env=_rank_environment(), master_addr="127.0.0.1", master_port=free_port())  # fmt: skip
+    _wait_until_waiting(tmp_path)
+    os.kill(ranks.children[1].pid, signal.SIGKILL)
+    ranks.children[1].wait()
+    ranks.release({})
+    assert ranks.wait() == -signal.SIGKILL
+    assert ranks.children[0].returncode == -signal.SIGTERM
