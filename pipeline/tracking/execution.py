@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from pipeline.tracking.mlflow_run import Tracker, open_run
+from pipeline.tracking.relay import open_relayed
 from pipeline.tracking.runs_view import run_name
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
@@ -37,14 +38,15 @@ def workspace() -> Path:
     return Path(os.environ.get("DVC_ROOT") or Path.cwd())
 
 
-def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
+def pipeline_run(*, uri: str, experiment: str, run_id_file: Path, relayed: bool = False) -> Tracker:
     """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
-    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace."""
+    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace.
+    `relayed`: params, tags, metrics and the end go through the store's relay (`relay`), not MLflow imported here."""
     os.environ[EXECUTION_ENV] = execution = execution_id()
-    return open_run(
-        uri,
-        experiment,
-        run_id_file,
+    return (open_relayed if relayed else open_run)(
+        uri=uri,
+        experiment=experiment,
+        run_id_file=run_id_file,
         execution=execution,
         run_name=run_name(),
         parent_run_id=os.environ.get(PARENT_RUN_ENV),

@@ -243,7 +243,7 @@ class Tracker:
         try:
             _retry_locked(action)
         except Exception as err:  # tracking must never stop training
-            _warn(f"{what} on {_redact(self.uri)} failed", err)
+            warn(f"{what} on {redact(self.uri)} failed", err)
             self.client = None
 
 
@@ -267,14 +267,14 @@ def open_run(
     uri = resolve_uri(uri, root or Path.cwd())
     run_id_file = Path(run_id_file)
     recorded = _read_record(run_id_file)
-    same_store = recorded.get("tracking_uri") == _redact(uri)
+    same_store = recorded.get("tracking_uri") == redact(uri)
     same_execution = same_store and recorded.get("execution") == execution
     if same_execution and recorded.get("missing"):
         return Tracker(uri=uri, missing=recorded["missing"])
     try:
         from mlflow import MlflowClient
 
-        with _store_lock(uri):
+        with store_lock(uri):
             client = MlflowClient(tracking_uri=uri)
             run_id = _retry_locked(lambda: _reopen(client, experiment, recorded["run_id"])) if same_execution else None
             if run_id is None:
@@ -285,11 +285,11 @@ def open_run(
                     lambda: _create(client, experiment, run_name=run_name, tags=tags, artifact_root=_artifact_root(uri))
                 )
     except Exception as err:  # tracking must never stop training
-        _warn(f"cannot open a run on {_redact(uri)}", err)
-        reason = f"{type(err).__name__} on {_redact(uri)}"
-        write_json(run_id_file, {"execution": execution, "missing": reason, "tracking_uri": _redact(uri)})
+        warn(f"cannot open a run on {redact(uri)}", err)
+        reason = f"{type(err).__name__} on {redact(uri)}"
+        write_json(run_id_file, {"execution": execution, "missing": reason, "tracking_uri": redact(uri)})
         return Tracker(uri=uri, missing=reason)
-    write_json(run_id_file, {"execution": execution, "run_id": run_id, "tracking_uri": _redact(uri)})
+    write_json(run_id_file, {"execution": execution, "run_id": run_id, "tracking_uri": redact(uri)})
     return Tracker(client=client, run_id=run_id, uri=uri)
 
 
@@ -309,21 +309,21 @@ def _read_record(run_id_file: Path) -> dict:
     return recorded if isinstance(recorded, dict) else {}
 
 
-def _sqlite_file(uri: str) -> Path | None:
+def sqlite_file(uri: str) -> Path | None:
     """The database file of a SQLite store (None for a server or an in-memory store)."""
     return None if not uri.startswith(SQLITE) or uri.endswith(":memory:") else Path(uri.removeprefix(SQLITE))
 
 
 def _artifact_root(uri: str) -> str | None:
     """Artifacts of a SQLite store go beside the database (`mlartifacts/`), not below the current folder."""
-    database = _sqlite_file(uri)
+    database = sqlite_file(uri)
     return None if database is None else (database.parent / "mlartifacts").as_uri()
 
 
 @contextlib.contextmanager
-def _store_lock(uri: str) -> Iterator[None]:
+def store_lock(uri: str) -> Iterator[None]:
     """Serialise the opening of a SQLite store: two processes creating its tables at once collide."""
-    database = _sqlite_file(uri)
+    database = sqlite_file(uri)
     if database is None:
         yield
         return
@@ -396,13 +396,13 @@ def _retry_locked(action: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
-def _redact(uri: str) -> str:
+def redact(uri: str) -> str:
     """Drop user:password@ from a URI before printing it."""
     return re.sub(r"//[^/@\s]*@", "//", uri)
 
 
-def _warn(what: str, err: Exception) -> None:
-    detail = _redact(" ".join(f"{type(err).__name__}: {err}".split()))
+def warn(what: str, err: Exception) -> None:
+    detail = redact(" ".join(f"{type(err).__name__}: {err}".split()))
     if len(detail) > 300:
         detail = detail[:150] + " ... " + detail[-145:]
     log.warning(f"{what} ({detail}); going on without MLflow")

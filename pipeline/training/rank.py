@@ -102,7 +102,10 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
     tracker = None
     if rank == 0:  # the stage opened the run and logged params and tags
         tracker = pipeline_run(
-            uri=plan.tracking.uri, experiment=plan.tracking.experiment, run_id_file=plan.paths.run_id_file
+            uri=plan.tracking.uri,
+            experiment=plan.tracking.experiment,
+            run_id_file=plan.paths.run_id_file,
+            relayed=True,  # tags, the curve and the end: MLflow not imported in the rank
         )
     curves = None
     if rank == 0 and plan.tracking.tensorboard and plan.paths.tensorboard is not None:

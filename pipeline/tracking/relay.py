@@ -1,0 +1,242 @@
+"""A stage's MLflow calls through the store's relay: one background process per SQLite store that has imported
+MLflow and opened the store, so that a stage pays neither (about 3 s of CPU and 200 MB each, against a data
+stage's 2 s: docs/tracking.md). The relay runs the same `open_run` and `Tracker` methods a stage would run; their
+warnings come back to the stage, which prints them. It exits after IDLE_S seconds without a call
+(`PIPELINE_MLFLOW_RELAY=SECONDS` sets them), or when its store file is replaced. Where no relay can start, or with
+`PIPELINE_MLFLOW_RELAY=off`, the stage calls MLflow itself. The relay's socket and log are in
+$TMPDIR/pipeline-mlflow-relay-UID/."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import socket
+import socketserver
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.tracking import mlflow_run
+from pipeline.tracking.mlflow_run import Tracker, open_run
+
+SWITCH = "PIPELINE_MLFLOW_RELAY"  # "off": every stage calls MLflow itself; a number: the relay's idle seconds
+IDLE_S = 30.0
+START_S = 60.0  # how long a stage waits for a relay to open its store before calling MLflow itself
+REPLY_S = 120.0  # a call's longest wait (a locked SQLite store is retried for mlflow_run.LOCK_PATIENCE_S)
+RELAYED = ("log_params", "set_tags", "log_series", "close")  # what a stage's Tracker sends; the rest stays local
+
+
+def open_relayed(**kwargs: Any) -> Tracker:
+    """`open_run(**kwargs)` through the relay of the SQLite store `kwargs["uri"]` names, started if none is running;
+    `open_run` in this process for other stores, with the relay switched off, or where it cannot start."""
+    uri = kwargs["uri"]
+    database = mlflow_run.sqlite_file(mlflow_run.resolve_uri(uri, kwargs.get("root") or Path.cwd()))
+    if database is None or os.environ.get(SWITCH) == "off":
+        return open_run(**kwargs)
+    paths = {"run_id_file": Path(kwargs["run_id_file"]).resolve(), "root": Path(kwargs.get("root") or Path.cwd())}
+    try:
+        address = _address(database)
+        request = {"op": "open", "kwargs": {**kwargs, **{k: str(v) for k, v in paths.items()}}}
+        opened = _ask(address, request, start=database)
+    except Exception:  # no relay (its folder unwritable, another one starting past START_S): the stage logs itself
+        opened = None
+    if opened is None or opened.get("stale"):
+        return open_run(**{**kwargs, **paths})
+    if opened["run_id"] is None:
+        return Tracker(uri=opened["uri"], missing=opened["missing"])
+    return Relayed(address=address, run_id=opened["run_id"], uri=opened["uri"])
+
+
+class Relayed(Tracker):
+    """A Tracker whose MLflow calls run in the relay; a failed call is warned about once and ends tracking, as
+    Tracker's own do."""
+
+    def __init__(self, *, address: Path, run_id: str, uri: str):
+        super().__init__(client=address, run_id=run_id, uri=uri)
+
+    def log_params(self, params) -> None:
+        self._send("log_params", {k: str(v)[: mlflow_run.MAX_PARAM_VALUE] for k, v in params.items()})
+
+    def set_tags(self, tags) -> None:
+        self._send("set_tags", {k: str(v) for k, v in tags.items()})
+
+    def log_series(self, series) -> None:
+        self._send("log_series", {k: [[int(s), float(v)] for s, v in by_step.items()] for k, by_step in series.items()})
+
+    def close(self, status: str = "FINISHED") -> None:
+        if not self.closed:
+            self._send("close", status)
+        self.closed = True
+
+    def _send(self, method: str, argument: Any) -> None:
+        if self.disabled or self.closed:
+            return
+        request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "argument": argument}
+        answer = _ask(self.client, request)
+        if answer is None or answer.get("stale"):
+            mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", ConnectionError("relay gone"))
+            self.client = None
+        elif answer["disabled"]:
+            self.client = None
+
+
+def _code() -> Path:
+    """The folder this process imported `pipeline` from: the relay it starts runs the same files."""
+    import pipeline
+
+    return Path(pipeline.__file__).parent.parent
+
+
+def _address(database: Path) -> Path:
+    """The relay's socket for `database`, keyed by what the relay's code and MLflow's settings are."""
+    code = _code() / "pipeline" / "tracking"
+    key = [str(database), sys.executable, str(code)]
+    key += [f"{p.name}:{p.stat().st_mtime_ns}" for p in sorted(code.glob("*.py"))]
+    key += sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("MLFLOW_"))
+    folder = Path(tempfile.gettempdir()) / f"pipeline-mlflow-relay-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder / (hashlib.sha1("\n".join(key).encode()).hexdigest()[:24] + ".sock")
+
+
+def _ask(address: Path, request: dict, *, start: Path | None = None) -> dict | None:
+    """The relay's answer to `request` (its warnings printed here), starting it for `start` (the store) if none
+    answers; None where none can."""
+    answer = _exchange(address, request)
+    if answer is None and start is not None:
+        from filelock import FileLock
+
+        with FileLock(address.parent / "starting.lock", timeout=START_S):  # one relay starts at a time
+            answer = _exchange(address, request)
+            if answer is None and _start(address, start):
+                answer = _exchange(address, request)
+    for line in (answer or {}).get("warnings", []):
+        mlflow_run.log.warning(line)
+    return answer
+
+
+def _exchange(address: Path, request: dict) -> dict | None:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(REPLY_S)
+            sock.connect(str(address))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            with sock.makefile("rb") as reply:
+                line = reply.readline()
+    except OSError:
+        return None
+    return json.loads(line) if line else None
+
+
+def _start(address: Path, database: Path) -> bool:
+    """Start the relay of `database` on `address`, detached (no file of this process kept open); True once it
+    answers."""
+    with contextlib.suppress(FileNotFoundError):
+        address.unlink()  # a relay that died without removing it
+    log_file = address.with_suffix(".log")
+    with open(log_file, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.tracking.relay", str(address), str(database)],
+            cwd=_code(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline and process.poll() is None:
+        if address.exists():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _captured() -> Iterator[list[str]]:
+    handler = _Warnings()
+    tracking = mlflow_run.log
+    tracking.addHandler(handler)
+    tracking.propagate = False  # printed by the stage that asked, not into the relay's log
+    try:
+        yield handler.lines
+    finally:
+        tracking.removeHandler(handler)
+        tracking.propagate = True
+
+
+def _identity(database: Path) -> tuple[int, int] | None:
+    try:
+        found = database.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
+
+
+def serve(address: Path, database: Path) -> None:
+    """Answer stages' calls on `address` until IDLE_S passes without one or `database` is replaced."""
+    from mlflow import MlflowClient
+
+    uri = mlflow_run.SQLITE + str(database)
+    with mlflow_run.store_lock(uri):
+        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # the store opened (its tables made)
+    identity = _identity(database)
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            request = json.loads(self.rfile.readline())
+            if _identity(database) != identity:
+                self.server.ended = True
+                self.wfile.write(b'{"stale": true}\n')
+                return
+            with _captured() as warnings:
+                answer = _answer(request, MlflowClient(tracking_uri=uri))
+            self.wfile.write(json.dumps({**answer, "warnings": warnings}).encode() + b"\n")
+
+    class Server(socketserver.UnixStreamServer):
+        timeout, ended = float(os.environ.get(SWITCH) or IDLE_S), False
+
+        def handle_timeout(self) -> None:
+            self.ended = True
+
+    Path(f"{address}.new").unlink(missing_ok=True)  # left by a relay that died starting (stages start one at a time)
+    with Server(f"{address}.new", Handler) as server:
+        os.replace(f"{address}.new", address)  # stages find it only now that the store is open
+        bound = address.stat().st_ino
+        try:
+            while not server.ended:
+                server.handle_request()
+        finally:
+            if _identity(address) and address.stat().st_ino == bound:  # not a relay started after this one ended
+                address.unlink()
+    address.with_suffix(".log").unlink(missing_ok=True)  # kept where the relay failed
+
+
+def _answer(request: dict, client: Any) -> dict:
+    """Run a stage's call with this process's client (MLflow keeps one store per URI)."""
+    if request["op"] == "open":
+        kwargs = request["kwargs"]
+        tracker = open_run(**{**kwargs, "run_id_file": Path(kwargs["run_id_file"]), "root": Path(kwargs["root"])})
+        return {"run_id": tracker.run_id, "missing": tracker.missing, "uri": tracker.uri}
+    method, argument = request["method"], request["argument"]
+    if method not in RELAYED:
+        raise ValueError(f"the relay does not run {method}")
+    tracker = Tracker(client=client, run_id=request["run_id"], uri=request["uri"])
+    if method == "log_series":
+        argument = {k: {step: value for step, value in pairs} for k, pairs in argument.items()}
+    getattr(tracker, method)(argument)
+    return {"disabled": tracker.disabled}
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,140 @@
+"""The MLflow relay (pipeline/tracking/relay.py): a stage's params, tags, figures and end reach the store as they do
+when the stage calls MLflow itself, without MLflow imported in the stage; failures warn in the stage once; the relay
+ends when idle or when its store is replaced, and is not used where switched off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.tracking.mlflow_run import HTTP_DEFAULTS, Tracker, open_run
+from pipeline.tracking.relay import SWITCH, Relayed, open_relayed
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def relays(database: Path) -> list[psutil.Process]:
+    """The relay processes serving `database`."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "pipeline.tracking.relay" in cmdline and str(database) in cmdline:
+            found.append(process)
+    return found
+
+
+def stage_like(opener, root: Path) -> list[str]:
+    """Two stages of one execution and a third that fails, as stages/_common.py logs them; their run ids."""
+    ids = []
+    kwargs = {"uri": "sqlite:///mlruns.db", "experiment": "lora", "run_id_file": root / "run.json", "root": root}
+    with opener(**kwargs, execution="e1", run_name="first") as tracker:
+        tracker.log_params({"lora.r": 8, "long": "x" * 7000, "targets": ["q_proj", "v_proj"]})
+        tracker.set_tags({"stage.prepare_corpus": "ran", "git_dirty": False})
+        tracker.log_metrics({"corpus.documents": 974, "seconds.prepare_corpus": 1.5})
+        ids.append(tracker.run_id)
+    with opener(**kwargs, execution="e1", run_name="first") as tracker:  # joins the execution's run
+        tracker.log_series({"train.loss": {1: 2.5, 2: 2.25, 3: 2.0}})
+        ids.append(tracker.run_id)
+    with pytest.raises(RuntimeError), opener(**kwargs, execution="e2", run_name="second") as tracker:
+        tracker.log_metrics({"eval.bits_per_byte": 1.1}, step=4)
+        ids.append(tracker.run_id)
+        raise RuntimeError("out of memory")
+    return ids
+
+
+def content(database: Path, run_id: str) -> dict:
+    client = MlflowClient(f"sqlite:///{database}")
+    run = client.get_run(run_id)
+    histories = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics}
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}
+    return {"status": run.info.status, "name": run.info.run_name, "params": run.data.params, "tags": tags, **histories}
+
+
+def test_a_relayed_run_holds_what_the_stage_logging_itself_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(SWITCH, "5")
+    direct, relayed = tmp_path / "direct", tmp_path / "relayed"
+    direct.mkdir(), relayed.mkdir()
+    expected = stage_like(open_run, direct)
+    got = stage_like(open_relayed, relayed)
+    assert expected[0] == expected[1] != expected[2] and got[0] == got[1] != got[2]
+    for ours, theirs in zip(got[1:], expected[1:], strict=True):
+        assert content(relayed / "mlruns.db", ours) == content(direct / "mlruns.db", theirs)
+    assert content(relayed / "mlruns.db", got[2])["status"] == "FAILED"
+    assert len(relays(relayed / "mlruns.db")) == 1, "one relay served the three stages"
+    assert not relays(direct / "mlruns.db")
+
+
+def test_a_stage_logging_through_the_relay_never_imports_mlflow(tmp_path: Path):
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom pipeline.tracking.relay import open_relayed\n"
+        f"with open_relayed(uri='sqlite:///{tmp_path}/mlruns.db', experiment='lora', "
+        f"run_id_file=Path('{tmp_path}/run.json'), execution='e') as t:\n"
+        "    t.log_params({'a': 1}); t.log_metrics({'loss': 2.0}, step=1)\n"
+        "print(type(t).__name__, 'mlflow' in sys.modules, t.run_id)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    kind, imported, run_id = done.stdout.split()
+    assert (kind, imported) == ("Relayed", "False"), done.stderr
+    logged = content(tmp_path / "mlruns.db", run_id)
+    assert logged["params"] == {"a": "1"} and logged["loss"] == [(1, 2.0)] and logged["status"] == "FINISHED"
+
+
+def test_a_failing_call_warns_once_in_the_stage(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    tracker = open_relayed(uri=f"sqlite:///{tmp_path}/mlruns.db", experiment="lora", run_id_file=tmp_path / "r.json")
+    assert isinstance(tracker, Relayed)
+    tracker.log_params({"lora.r": 8})
+    capfd.readouterr()
+    tracker.log_params({"lora.r": 16})  # MLflow refuses to change a logged param
+    assert tracker.disabled
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    tracker.close()
+    err = capfd.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("tracking: log_params on sqlite:///"), err
+    assert "going on without MLflow" in err
+    logged = content(tmp_path / "mlruns.db", tracker.run_id)
+    assert logged["params"] == {"lora.r": "8"} and logged["status"] == "RUNNING"  # nothing after the failure
+
+
+def test_the_relay_ends_when_idle_and_leaves_a_replaced_store_to_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv(SWITCH, "2")
+    database = tmp_path / "mlruns.db"
+    kwargs = {"uri": f"sqlite:///{database}", "experiment": "lora", "run_id_file": tmp_path / "run.json"}
+    open_relayed(**kwargs, execution="a").close()
+    (relay,) = relays(database)
+    address = Path(relay.cmdline()[-2])
+    assert address.exists() and address.with_suffix(".log").exists()
+    relay.wait(timeout=30)
+    assert not address.exists() and not address.with_suffix(".log").exists(), "ended idle: its socket and log gone"
+
+    open_relayed(**kwargs, execution="b").close()
+    (relay,) = relays(database)
+    database.unlink()  # a store deleted and made again: the relay must not write into the old file
+    tracker = open_relayed(**kwargs, execution="c")
+    assert type(tracker) is Tracker and not tracker.disabled, "the stage logged itself"
+    tracker.log_params({"after": "replaced"})
+    tracker.close()
+    assert content(database, tracker.run_id)["params"] == {"after": "replaced"}
+    relay.wait(timeout=30)
+
+
+def test_switched_off_the_stage_calls_mlflow_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(SWITCH, "off")
+    tracker = open_relayed(uri=f"sqlite:///{tmp_path}/mlruns.db", experiment="lora", run_id_file=tmp_path / "r.json")
+    assert type(tracker) is Tracker and not tracker.disabled
+    tracker.close()
+    assert not relays(tmp_path / "mlruns.db")
+
+
+def test_a_tracking_server_is_never_relayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    for name in HTTP_DEFAULTS:  # what open_run sets is undone after the test
+        monkeypatch.setenv(name, "0")
+    tracker = open_relayed(uri="http://127.0.0.1:9", experiment="lora", run_id_file=tmp_path / "h.json")
+    assert type(tracker) is Tracker and tracker.disabled and tracker.missing
