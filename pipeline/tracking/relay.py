@@ -189,7 +189,8 @@ def serve(address: Path, database: Path) -> None:
 
     uri = mlflow_run.SQLITE + str(database)
     with mlflow_run.store_lock(uri):
-        MlflowClient(tracking_uri=uri).search_experiments(max_results=1)  # the store opened (its tables made)
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # the store opened (its tables made)
     identity = _identity(database)
 
     class Handler(socketserver.StreamRequestHandler):
@@ -200,7 +201,7 @@ def serve(address: Path, database: Path) -> None:
                 self.wfile.write(b'{"stale": true}\n')
                 return
             with _captured() as warnings:
-                answer = _answer(request, MlflowClient(tracking_uri=uri))
+                answer = _answer(request, client)
             self.wfile.write(json.dumps({**answer, "warnings": warnings}).encode() + b"\n")
 
     class Server(socketserver.UnixStreamServer):
@@ -212,18 +213,18 @@ def serve(address: Path, database: Path) -> None:
     Path(f"{address}.new").unlink(missing_ok=True)  # left by a relay that died starting (stages start one at a time)
     with Server(f"{address}.new", Handler) as server:
         os.replace(f"{address}.new", address)  # stages find it only now that the store is open
-        bound = address.stat().st_ino
+        bound = _identity(address)
         try:
             while not server.ended:
                 server.handle_request()
         finally:
-            if _identity(address) and address.stat().st_ino == bound:  # not a relay started after this one ended
+            if _identity(address) == bound:  # not the socket of a relay started after this one ended
                 address.unlink()
     address.with_suffix(".log").unlink(missing_ok=True)  # kept where the relay failed
 
 
 def _answer(request: dict, client: Any) -> dict:
-    """Run a stage's call with this process's client (MLflow keeps one store per URI)."""
+    """Run a stage's call with the relay's client."""
     if request["op"] == "open":
         kwargs = request["kwargs"]
         tracker = open_run(**{**kwargs, "run_id_file": Path(kwargs["run_id_file"]), "root": Path(kwargs["root"])})

@@ -1,6 +1,7 @@
 """The MLflow relay (pipeline/tracking/relay.py): a stage's params, tags, figures and end reach the store as they do
 when the stage calls MLflow itself, without MLflow imported in the stage; failures warn in the stage once; the relay
-ends when idle or when its store is replaced, and is not used where switched off."""
+ends when idle or when its store is replaced, and is not used where switched off (a failing call through it:
+unit/tracking/test_tracking.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.tracking.mlflow_run import HTTP_DEFAULTS, Tracker, open_run
-from pipeline.tracking.relay import SWITCH, Relayed, open_relayed
+from pipeline.tracking.relay import SWITCH, open_relayed
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.integration
@@ -83,22 +84,6 @@ def test_a_stage_logging_through_the_relay_never_imports_mlflow(tmp_path: Path):
     assert (kind, imported) == ("Relayed", "False"), done.stderr
     logged = content(tmp_path / "mlruns.db", run_id)
     assert logged["params"] == {"a": "1"} and logged["loss"] == [(1, 2.0)] and logged["status"] == "FINISHED"
-
-
-def test_a_failing_call_warns_once_in_the_stage(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
-    tracker = open_relayed(uri=f"sqlite:///{tmp_path}/mlruns.db", experiment="lora", run_id_file=tmp_path / "r.json")
-    assert isinstance(tracker, Relayed)
-    tracker.log_params({"lora.r": 8})
-    capfd.readouterr()
-    tracker.log_params({"lora.r": 16})  # MLflow refuses to change a logged param
-    assert tracker.disabled
-    tracker.log_metrics({"loss": 1.0}, step=1)
-    tracker.close()
-    err = capfd.readouterr().err
-    assert len(err.splitlines()) == 1 and err.startswith("tracking: log_params on sqlite:///"), err
-    assert "going on without MLflow" in err
-    logged = content(tmp_path / "mlruns.db", tracker.run_id)
-    assert logged["params"] == {"lora.r": "8"} and logged["status"] == "RUNNING"  # nothing after the failure
 
 
 def test_the_relay_ends_when_idle_and_leaves_a_replaced_store_to_the_stage(

@@ -17,6 +17,7 @@ from pipeline.core.atomic import read_json
 from pipeline.tracking.mlflow_run import (
     HTTP_DEFAULTS,
     MAX_PARAM_VALUE,
+    Tracker,
     _retry_locked,
     flatten,
     numeric_leaves,
@@ -24,6 +25,7 @@ from pipeline.tracking.mlflow_run import (
     resolve_uri,
     runtime_tags,
 )
+from pipeline.tracking.relay import Relayed, open_relayed
 from tests.conftest import REPO
 
 URI = "sqlite:///mlruns.db"
@@ -224,8 +226,14 @@ def test_user_http_settings_are_kept(monkeypatch: pytest.MonkeyPatch, capfd: pyt
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
 
 
-def test_failing_call_disables_tracking_with_one_warning(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
-    tracker = open_run(URI, "lora", tmp_path / "run.json")
+@pytest.mark.parametrize(
+    "opener", [open_run, pytest.param(open_relayed, marks=pytest.mark.integration, id="relayed")], ids=["direct", None]
+)
+def test_failing_call_disables_tracking_with_one_warning(opener, tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    """In the stage itself and through the relay (pipeline/tracking/relay.py, which starts a process): one warning
+    in the stage, nothing after it reaches the run."""
+    tracker = opener(uri=URI, experiment="lora", run_id_file=tmp_path / "run.json")
+    assert type(tracker) is (Tracker if opener is open_run else Relayed)
     tracker.log_params({"lora.r": 8})
     capfd.readouterr()
     tracker.log_params({"lora.r": 16})  # MLflow refuses to change a logged param
