@@ -5,7 +5,6 @@ even for fewer positions than tiles; and only the MLP's input kept for the backw
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -139,10 +138,10 @@ def test_long_evaluation_windows_score_the_same_in_tiles(monkeypatch):
     ids = torch.randint(1, 101, (300,), generator=torch.Generator().manual_seed(4)).tolist()
     examples = [Example(ids, [False] + [True] * 299, 1000)]
     assert score(model, examples, context=64, stride=32, batch_size=2).tokens == 299  # 64 < 8 tiles of 16
-    assert not isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    assert not tiled_mlp.tiled(model.get_base_model().model.layers[0].mlp)
     got = score(model, examples, context=128, stride=128, batch_size=2)
-    assert isinstance(model.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    assert tiled_mlp.tiled(model.get_base_model().model.layers[0].mlp)
     monkeypatch.setattr(tiled_mlp, "LONG_WINDOW", 10**6)  # the same window, untiled
     reference = score(whole, examples, context=128, stride=128, batch_size=2)
-    assert not isinstance(whole.get_base_model().model.layers[0].mlp.forward, functools.partial)
+    assert not tiled_mlp.tiled(whole.get_base_model().model.layers[0].mlp)
     assert got.tokens == reference.tokens == 299 and abs(got.nll - reference.nll) < 1e-5 * reference.nll
