@@ -3,7 +3,10 @@
 On CPU ranks (the default): a small random LLaMA through the train stage (DeepSpeed over gloo, ZeRO-2, LoRA r=16 on
 every linear layer, one sequence per step, activation checkpointing, the tiled MLP) at 1-, 2- and 4-way sequence
 parallelism (`train.sequence_parallel`, one group of that many ranks), at growing lengths until a length's predicted
-step time passes the budget: tokens/s without the first step, and each rank's peak memory.
+step time passes the budget: tokens/s without the first step, and each rank's peak memory. Beside it, at each length
+and size, the peer: transformers' Trainer with accelerate's Ulysses (DeepSpeed's ALST sequence parallelism, the path
+TRL's SFTTrainer takes), PEFT and ZeRO-2 under `accelerate launch` (bench/long_context_peer.py), on the same model,
+rows and settings; `speedup_over_peer` is ours over its tokens/s.
 
 On one GPU (`--gpu`, where CUDA is present; nothing is downloaded): Llama-3-8B's shape with random weights made on the
 GPU, LoRA r=16 on every linear layer, bf16, one sequence a step, a rank's model path without DeepSpeed (one card:
@@ -275,38 +278,89 @@ def cpu_run(root: Path, base: Path, dataset: Path, *, length: int, size: int, st
         "length": length, "sequence_parallel": size, "result": "trained", "step_s": round(step_s, 2),
         "tokens_per_s": round(metrics["steady_tokens_per_s"] or metrics["tokens_per_s"], 1),
         "peak_memory_mb_per_rank": metrics["peak_memory_mb_per_rank"],
+        "first_loss": float((out / "curve.csv").read_text().splitlines()[1].split(",")[1]),
         "stage_seconds": round(time.perf_counter() - tick, 1),
     }  # fmt: skip
 
 
+def peer_run(root: Path, base: Path, dataset: Path, *, length: int, size: int, steps: int) -> dict:
+    """transformers' Trainer with accelerate's Ulysses (bench/long_context_peer.py) on `size` CPU ranks, launched by
+    `accelerate launch`, given the rows our run trains on in our order: step seconds without the first step, each
+    rank's peak memory, the first loss."""
+    import statistics
+
+    from datasets import load_from_disk
+
+    from bench.long_context_peer import accelerate_config
+    from pipeline.core import config
+    from pipeline.core.environment import free_port, with_venv_path
+    from pipeline.training.schedule import global_batch
+
+    out = root / f"peer_{length}_{size}"
+    out.mkdir()
+    n_rows, seed = load_from_disk(str(dataset))["train"].num_rows, config.compose(REPO / "conf", [])["seed"]
+    rows = [int(global_batch(step, n_rows=n_rows, global_batch_size=1, seed=seed)[0]) for step in range(steps)]
+    ds_config = out / "ds_config.json"
+    config = accelerate_config(out, ranks=size, ds_config=ds_config)
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+        "--main_process_port", str(free_port()), str(REPO / "bench" / "long_context_peer.py"),
+        "--base", str(base), "--dataset", str(dataset), "--rows", ",".join(map(str, rows)), "--out", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in with_venv_path().items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    tick = time.perf_counter()
+    done = subprocess.run(command, cwd=out, env={**env, "PEER_DS_CONFIG": str(ds_config)}, capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode:
+        (out / "log.txt").write_text(done.stdout + done.stderr)
+        errors = [line for line in done.stderr.splitlines() if "Error" in line] or [done.stderr.strip()[-300:]]
+        return {"length": length, "sequence_parallel": size, "result": f"failed: {errors[-1][-300:]}",
+                "log": str(out / "log.txt")}  # fmt: skip
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
+    step_s = statistics.median(max(r["step_seconds"][i] for r in ranks) for i in range(1, steps))
+    return {
+        "length": length, "sequence_parallel": size, "result": "trained", "step_s": round(step_s, 2),
+        "tokens_per_s": round(length / step_s, 1), "peak_memory_mb_per_rank": [round(r["peak_mb"], 1) for r in ranks],
+        "first_loss": ranks[0]["losses"][0], "stage_seconds": round(time.perf_counter() - tick, 1),
+    }  # fmt: skip
+
+
 def cpu_figures(shape: dict, lengths, sizes, *, budget_s: float, steps: int) -> dict:
-    rows = []
+    """Each size's lengths on both sides (ours, then transformers' Trainer with accelerate's Ulysses) while the next
+    length's predicted time for both fits the size's budget."""
+    rows, peer_rows = [], []
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
         root = Path(tmp)
         base, datasets = cpu_inputs(root, shape, lengths)
         for size in sizes:
             measured, start = [], time.perf_counter()
             for length in lengths:
-                predicted = predicted_seconds(measured, length, shape=shape) * steps
+                predicted = predicted_seconds(measured, length, shape=shape) * steps * 2
                 if measured and predicted > budget_s - (time.perf_counter() - start):
-                    rows.append(
-                        {
-                            "length": length,
-                            "sequence_parallel": size,
-                            "result": "not tried: past the time budget",
-                            "predicted_s": round(predicted, 1),
-                        }
-                    )
-                    continue  # fmt: skip
+                    skipped = {"length": length, "sequence_parallel": size, "result": "not tried: past the time budget",
+                               "predicted_s": round(predicted, 1)}  # fmt: skip
+                    rows.append(skipped)
+                    peer_rows.append(skipped)
+                    continue
                 row = cpu_run(root, base, datasets[length], length=length, size=size, steps=steps)
+                peer = peer_run(root, base, datasets[length], length=length, size=size, steps=steps)
                 rows.append(row)
-                print(f"bench.long_context: {row}", flush=True)
+                peer_rows.append(peer)
+                print(f"bench.long_context: ours {row}\nbench.long_context: peer {peer}", flush=True)
                 if row["result"] != "trained":
                     break
-                measured.append((length, row["step_s"]))
-    longest = {size: max((r["length"] for r in rows if r["sequence_parallel"] == size and r["result"] == "trained"),
-                         default=None) for size in sizes}  # fmt: skip
-    return {"device": "cpu", "shape": shape, "runs": rows, "longest_trained": longest}
+                measured.append((length, max(row["step_s"], peer.get("step_s", 0))))
+
+    def longest(side: list[dict]) -> dict:
+        return {size: max((r["length"] for r in side if r["sequence_parallel"] == size and r["result"] == "trained"),
+                          default=None) for size in sizes}  # fmt: skip
+
+    both = [(r, p) for r, p in zip(rows, peer_rows, strict=True) if r.get("tokens_per_s") and p.get("tokens_per_s")]
+    speedups = {f"{r['length']}_sp{r['sequence_parallel']}": round(r["tokens_per_s"] / p["tokens_per_s"], 3)
+                for r, p in both}  # fmt: skip
+    return {"device": "cpu", "shape": shape, "runs": rows, "peer": "transformers Trainer + accelerate Ulysses",
+            "peer_runs": peer_rows, "longest_trained": longest(rows), "peer_longest_trained": longest(peer_rows),
+            "speedup_over_peer": speedups}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,7 +45,8 @@ POSITIVE = {  # bench: {results file: the figures that must be positive}
         "gpu_train": [f"{v}.tokens_per_s" for v in ("previous", "default", "eager", "dpo")] + ["default.peak_memory_mb"]
     },
     "long_context": {
-        "long_context": ["longest_trained.1", "longest_trained.2"],
+        "long_context": [f"{side}longest_trained.{n}" for side in ("", "peer_") for n in (1, 2)]
+        + ["speedup_over_peer.256_sp1", "speedup_over_peer.256_sp2"],
         "long_context_gpu": ["longest_trained", "peer_longest_trained"],
     },
 }
@@ -82,6 +83,10 @@ def test_smoke_runs_both_sides(bench, project, tmp_path):
         for compared in (figures[k] for k in ("text_fp32", "chat_fp32", "fp32") if k in figures):
             runs = [run for side in compared["runs"].values() for run in side]
             assert len(runs) == 3 and {run["tokens"] for run in runs} == {compared["tokens"]}, compared["runs"]
+    if bench == "long_context":  # the same model on both sides: the same first loss
+        cpu = json.loads((tmp_path / "long_context.json").read_text())
+        for ours, peer in zip(cpu["runs"], cpu["peer_runs"], strict=True):
+            assert ours["first_loss"] == pytest.approx(peer["first_loss"], rel=1e-4), (ours, peer)
     if bench == "train":  # the same dialogues, token for token, in the same order
         assert figures["same_chat_tokens"]["rows"] == 3 * 2 and figures["same_chat_tokens"]["tokens"] > 0
     if bench == "preference":  # DPO starts at log 2 (B = 0); against LLaMA-Factory: the same tokens and losses
