@@ -301,9 +301,9 @@ def peer_run(root: Path, base: Path, dataset: Path, *, length: int, size: int, s
     n_rows, seed = load_from_disk(str(dataset))["train"].num_rows, config.compose(REPO / "conf", [])["seed"]
     rows = [int(global_batch(step, n_rows=n_rows, global_batch_size=1, seed=seed)[0]) for step in range(steps)]
     ds_config = out / "ds_config.json"
-    config = accelerate_config(out, ranks=size, ds_config=ds_config)
+    launch_config = accelerate_config(out, ranks=size, ds_config=ds_config)
     command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_config),
         "--main_process_port", str(free_port()), str(REPO / "bench" / "long_context_peer.py"),
         "--base", str(base), "--dataset", str(dataset), "--rows", ",".join(map(str, rows)), "--out", str(out),
     ]  # fmt: skip

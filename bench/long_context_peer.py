@@ -69,8 +69,8 @@ def main() -> None:
     model = get_peft_model(model, lora)
 
     class StepTimes(TrainerCallback):
-        times: list[float] = []
-        losses: list[float] = []
+        def __init__(self):
+            self.times, self.losses = [], []
 
         def on_step_begin(self, *_, **__):
             self.start = time.perf_counter()
