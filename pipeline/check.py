@@ -171,7 +171,7 @@ def sample_findings(cfg: config.Config, data_format: str, sets: dict[str, str], 
 
 def model_errors(cfg: config.Config) -> list[str]:
     """The model path: there, no code of its own, and (then) what training it would refuse."""
-    from pipeline.model.base_import import custom_code
+    from pipeline.model.remote_code import custom_code
 
     model = cfg.model.path
     try:
@@ -191,7 +191,6 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     its config or GGUF header, on the meta device)."""
     from pipeline.launching import cluster, preflight
     from pipeline.launching.settings import check_world, resolve_launch
-    from pipeline.model import lora, outline
     from pipeline.training.sequence_parallel import check_model
 
     errors = []
@@ -200,13 +199,17 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
         size = cfg.train.sequence_parallel
         check_world(size, world_size=launch.world_size, hpz_partition_size=cfg.deepspeed.hpz_partition_size)
         if size > 1:  # the heads and the attention the ranks will split
+            from pipeline.model import outline
+
             config = outline.meta_model(source).config.to_dict()
             check_model(size, config=config, attention=launch.attention)
         if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:
         errors.append(str(err))
-    if cfg.lora.target_modules != lora.ALL_LINEAR:
+    if isinstance(cfg.lora.target_modules, list):  # named one by one (not all-linear): torch's meta model
+        from pipeline.model import lora, outline
+
         try:
             layers = outline.of_model(outline.meta_model(source))
             lora.check_targets(layers, list(cfg.lora.target_modules), list(cfg.lora.modules_to_save))

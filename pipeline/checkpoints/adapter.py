@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.checkpoints.model_files import FileTensor, tensors_of
 from pipeline.core.atomic import read_json
+
+if TYPE_CHECKING:
+    from pipeline.checkpoints.model_files import FileTensor
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -49,6 +52,8 @@ def read(adapter_dir: Path) -> tuple[dict, dict[str, FileTensor]]:
 def read_tensors(adapter_dir: Path) -> tuple[dict[str, FileTensor], bool]:
     """The adapter's tensors under PEFT's saved names, and whether the file already uses those names (then PEFT's
     own loader reads it as it is)."""
+    from pipeline.checkpoints.model_files import tensors_of  # torch: not for the readers of the config alone
+
     path = weights_file(adapter_dir)
     found = tensors_of(path)
     tensors = canonical_names(found, path)

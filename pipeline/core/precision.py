@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# The short names (configs, command lines) and torch's own names (HF config files) of each dtype.
-DTYPES = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
+# The short names (configs, command lines) and torch's own names (HF config files) of each dtype's torch name.
+NAMES = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
 }
+
+
+def __getattr__(name: str):
+    """`DTYPES` (each name in NAMES -> its torch.dtype), made on first use: asking which precision the hardware
+    computes (the check stage) imports no torch."""
+    if name != "DTYPES":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    globals()["DTYPES"] = dtypes = {short: getattr(torch, full) for short, full in NAMES.items()}
+    return dtypes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -33,6 +46,8 @@ def native_bf16(device: str) -> bool:
     AVX512-BF16 or AMX-BF16 (x86) or the BF16 extension (Arm), read from /proc/cpuinfo, not guessed from the
     vendor, and oneDNN not capped below them. Elsewhere bf16 arithmetic is emulated, and slower than fp32."""
     if device.startswith("cuda"):
+        import torch
+
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     try:
         flags = set(Path("/proc/cpuinfo").read_text(encoding="utf-8").split())
@@ -44,6 +59,8 @@ def native_bf16(device: str) -> bool:
 
 def inference_dtype(precision: str, device: str) -> torch.dtype:
     """`precision` (auto | bf16 | fp32) as the dtype to compute in on `device`; auto: bf16 where native."""
+    import torch
+
     if precision == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
-    return DTYPES[precision]
+    return getattr(torch, NAMES[precision])

@@ -14,17 +14,33 @@ if TYPE_CHECKING:
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
+# The device files a GPU runtime opens (NVIDIA's driver, WSL2's GPU paravirtualization, ROCm's kernel driver): with
+# none of them, CUDA (or HIP through torch.cuda) cannot be available, and torch need not be imported to know it
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")
+
+
 def accelerator_name(requested: str) -> str:
-    """'cuda' or 'cpu': what `launcher.accelerator=auto` means on this machine."""
+    """'cuda' or 'cpu': what `launcher.accelerator=auto` means on this machine (torch asked only where a GPU's device
+    file exists)."""
     if requested != "auto":
         return requested
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# What DeepSpeed's accelerators train in on any machine, so that asking needs no import of DeepSpeed (and torch):
+# its CPU accelerator answers bf16 True unconditionally (0.19.8; fp16 only where oneDNN computes it), fp32 everywhere.
+# tests/unit/launching/test_settings.py holds DeepSpeed to these answers.
+ALWAYS_SUPPORTED = {("cpu", "bf16"), ("cpu", "fp32"), ("cuda", "fp32")}
+
+
 def check_precision(precision: str, accelerator: str) -> None:
-    """Refuse a precision the accelerator cannot train in."""
+    """Refuse a precision the accelerator cannot train in (DeepSpeed's accelerator asked where it is not known)."""
+    if (accelerator, precision) in ALWAYS_SUPPORTED:
+        return
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
     from pipeline.core import imports
 

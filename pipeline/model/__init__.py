@@ -1,6 +1,7 @@
 """The base model and the LoRA model built on it:
 
 - `base_import`: a GGUF file or an HF folder -> one plain HF safetensors folder, checked to compute the same logits.
+- `remote_code`: whether a model folder could only load by running code of its own (refused), from its config.json.
 - `base_weights`: a base's tensors loaded in a dtype, whole or (under ZeRO-3) one rank's partition at a time.
 - `pretrained`: from_pretrained for a folder in any weight format (torch pickles read by the checkpoint loader).
 - `outline`: the base's module outline (layers, Linear layers, head) written once, read instead of the architecture.

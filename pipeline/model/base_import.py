@@ -12,6 +12,7 @@ from pipeline.core.atomic import atomic_path
 from pipeline.core.precision import DTYPES
 from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
 from pipeline.model import outline, pretrained
+from pipeline.model.remote_code import custom_code
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 MODEL_FILES = ("config.json", "generation_config.json")
@@ -48,26 +49,6 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
         "tokenizer_size": len(tokenizer),
         "max_position_embeddings": config.max_position_embeddings,
     }
-
-
-def custom_code(folder: Path) -> str | None:
-    """Why the model folder could only load by running Python files of its own (its config's `auto_map`, for a
-    model type transformers does not implement), else None. We never pass trust_remote_code: where the type is one
-    transformers implements, its own code is used and the `auto_map` is ignored."""
-    import json
-
-    from transformers import CONFIG_MAPPING
-
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    mapped = config.get("auto_map")
-    if not mapped or config.get("model_type") in CONFIG_MAPPING:
-        return None
-    code = sorted({str(v) for v in mapped.values()}) if isinstance(mapped, dict) else [str(mapped)]
-    return (
-        f"model.path: {folder / 'config.json'} maps the model to code of its own ({', '.join(code)}), which this "
-        f"project never runs (no trust_remote_code); expected a model type transformers implements, got "
-        f"{config.get('model_type')!r}"
-    )
 
 
 def _load_gguf(path: Path):

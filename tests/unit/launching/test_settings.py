@@ -3,6 +3,8 @@ node's cores shared among its ranks, flash attention only where it can run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import REPO
@@ -67,3 +69,49 @@ def test_attention_is_flash_where_it_can_run_and_a_choice_that_cannot_is_named()
             choose(FLASH, **where)
     cfg = config.Config(**config.compose(REPO / "conf", ["launcher.accelerator=cpu", "train.attention=eager"]))
     assert resolve_launch(train=cfg.train, launcher=cfg.launcher).attention == "eager"
+
+
+def test_the_precisions_known_without_deepspeed_are_deepspeed_s_own_answers():
+    """check_precision skips DeepSpeed (and torch) for the pairs it knows; each is what DeepSpeed's accelerator of
+    that kind answers (its CPU accelerator here; CUDA's fp32 is trained everywhere), so an upgrade that changes an
+    answer fails here, not on a user's machine. fp16 on a CPU is still asked."""
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from pipeline.launching.settings import ALWAYS_SUPPORTED, check_precision
+
+    cpu = CPU_Accelerator()
+    answers = {"bf16": cpu.is_bf16_supported(), "fp16": cpu.is_fp16_supported(), "fp32": True}
+    assert all(answers[precision] for accelerator, precision in ALWAYS_SUPPORTED if accelerator == "cpu")
+    assert ("cpu", "fp16") not in ALWAYS_SUPPORTED and ("cuda", "bf16") not in ALWAYS_SUPPORTED
+    if not answers["fp16"]:
+        with pytest.raises(ValueError, match=r"train.precision: fp16 is not supported on cpu"):
+            check_precision("fp16", "cpu")
+
+
+def test_the_check_stage_s_launch_settings_import_neither_torch_nor_deepspeed_on_a_machine_without_a_gpu():
+    """On a machine with no GPU device file, `launcher.accelerator=auto` resolves to cpu and bf16 / fp32 are known:
+    resolving the launch imports neither torch nor DeepSpeed (about 2 s and 200 MB of every check and train stage)."""
+    import subprocess
+    import sys
+
+    from pipeline.launching.settings import GPU_DEVICE_FILES
+
+    if any(Path(path).exists() for path in GPU_DEVICE_FILES):
+        pytest.skip("a GPU's device file exists here: torch is asked, as it should be")
+    code = (
+        "import sys\n"
+        "from pipeline.core import config\n"
+        "from pipeline.launching.settings import resolve_launch\n"
+        f"cfg = config.Config(**config.compose({str(REPO / 'conf')!r}, ['train.precision=PRECISION']))\n"
+        "launch = resolve_launch(train=cfg.train, launcher=cfg.launcher)\n"
+        "print(launch.accelerator, launch.precision, 'torch' in sys.modules, 'deepspeed' in sys.modules)\n"
+    )
+    for precision in ("auto", "fp32", "bf16"):
+        done = subprocess.run(
+            [sys.executable, "-c", code.replace("PRECISION", precision)],
+            cwd=REPO, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        accelerator, chosen, torch_imported, deepspeed_imported = done.stdout.split()
+        assert accelerator == "cpu" and chosen in ("bf16", "fp32"), done.stdout
+        assert (torch_imported, deepspeed_imported) == ("False", "False"), done.stdout

@@ -55,7 +55,7 @@ def test_a_model_folder_mapped_to_its_own_code_is_refused(tmp_path, tiny_base_di
 
     import pytest
 
-    from pipeline.model.base_import import custom_code
+    from pipeline.model.remote_code import custom_code
 
     folder = tmp_path / "custom"
     shutil.copytree(tiny_base_dir, folder)
