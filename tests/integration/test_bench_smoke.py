@@ -73,8 +73,9 @@ def test_smoke_runs_both_sides(bench, project, tmp_path):
     for name, keys in POSITIVE[bench].items():
         figures = json.loads((tmp_path / f"{name}.json").read_text())
         assert figures["smoke"] is True
-        for key in keys:
-            assert figure(figures, key) > 0, f"{name}.json: {key} = {figure(figures, key)}"
+        for key in keys:  # a side that failed: its runs (with the output's tail) in the message
+            value = figure(figures, key)
+            assert value is not None and value > 0, f"{name}.json: {key} = {value}\n{json.dumps(figures, indent=1)}"
         recorded = REPO / RESULTS / f"{name}.json"
         assert not recorded.exists() or recorded.stat().st_mtime < started, f"the smoke run wrote {recorded}"
     if bench == "evaluate":  # the same definitions on both sides: the same figure
