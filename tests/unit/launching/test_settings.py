@@ -75,13 +75,13 @@ def test_the_precisions_known_without_deepspeed_are_deepspeed_s_own_answers():
     """check_precision skips DeepSpeed (and torch) for the pairs it knows; each is what DeepSpeed's accelerator of
     that kind answers (its CPU accelerator here; CUDA's fp32 is trained everywhere), so an upgrade that changes an
     answer fails here, not on a user's machine. fp16 on a CPU is still asked."""
-
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from pipeline.launching.settings import ALWAYS_SUPPORTED, check_precision
+    from pipeline.core.precision import DTYPES
+    from pipeline.launching.settings import ALWAYS_SUPPORTED, PRECISIONS, check_precision
 
-    cpu = CPU_Accelerator()
-    answers = {"bf16": cpu.is_bf16_supported(), "fp16": cpu.is_fp16_supported(), "fp32": True}
+    trained = CPU_Accelerator().supported_dtypes()  # DeepSpeed's own list (fp16 only where oneDNN computes it)
+    answers = {precision: DTYPES[precision] in trained for precision in PRECISIONS}
     assert all(answers[precision] for accelerator, precision in ALWAYS_SUPPORTED if accelerator == "cpu")
     assert ("cpu", "fp16") not in ALWAYS_SUPPORTED and ("cuda", "bf16") not in ALWAYS_SUPPORTED
     if not answers["fp16"]:
