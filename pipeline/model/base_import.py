@@ -82,28 +82,23 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
     de-quantization) and written as it is made: memory holds one tensor, never the model. False, with nothing
     written, for architectures whose tensors transformers merges or splits (its other processors: MoE)."""
     import numpy as np
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        read_field,
-    )
+    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from pipeline.checkpoints.safetensors_stream import parse_size, write_shards
 
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)  # before the reader: one at a time
-    reader = GGUFReader(path)
-    processor_class = TENSOR_PROCESSORS.get(read_field(reader, "general.architecture")[0], TensorProcessor)
+    header = GgufHeader.from_file(str(path))  # the tensor table alone (gguf's own reader parses the vocabulary too)
+    processor_class = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)
     if processor_class.__name__ not in STREAMED:
         return False
-    reader.fields.clear()  # the metadata (a vocabulary's tokens as arrays: 200 MB); the tensors are read from here
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     processor = processor_class(config=config.to_dict())  # the head counts it reorders Q and K by
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    found = {names[t.name]: t for t in reader.tensors if t.name in names}
+    found = {names[name]: (name, t) for name, t in load_gguf_state_dict(header).items() if name in names}  # unread
     wanted = {key: tuple(value.shape) for key, value in skeleton.state_dict().items()}
     tied = {key for key in wanted if key not in found and _tied(skeleton, key)}
     missing = sorted(set(wanted) - set(found) - tied)
@@ -111,11 +106,12 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
         raise ValueError(f"model.path: {path} holds no tensor for {missing[:4]} ({len(missing)} in all)")
 
     def produce(key: str) -> torch.Tensor:
-        tensor = found[key]
+        name, tensor = found[key]
+        rows = tensor.data.reshape(*tensor.shape[:-1], -1)  # the file's bytes, a row of blocks (or values) per row
         weights = np.empty(wanted[key], dtype=np.float32)  # filled a block of rows at a time: no whole temporaries
         for start in range(0, len(weights), GGUF_ROWS):
-            weights[start : start + GGUF_ROWS] = dequantize(tensor.data[start : start + GGUF_ROWS], tensor.tensor_type)
-        weights = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names).weights
+            weights[start : start + GGUF_ROWS] = dequantize(rows[start : start + GGUF_ROWS], tensor.ggml_type)
+        weights = processor.process(weights=weights, name=name, tensor_key_mapping=names).weights
         return torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
 
     entries = [(key, wanted[key], dtype) for key in wanted if key not in tied]
