@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.core.assets import package_dir
-from pipeline.core.atomic import read_json
+from pipeline.data.json_array import members
 
 SENTIMENT_INSTRUCTION = "判断下面这条商品评论的情感倾向，只回答“正面”或“负面”。"
 MAX_REVIEW_CHARS = 120  # reviews longer than this would be truncated at max_seq_len with the base tokenizer
@@ -97,17 +97,20 @@ def review_preferences(rows: list[dict]) -> list[dict]:
 
 
 def chitchat_conversations(path: Path, *, n_train: int, n_heldout: int, seed: int) -> tuple[list, list]:
-    """Dialogues as chat messages: the first speaker is the user, the other the assistant."""
-    conversations = []
-    for key in sorted(dialogues := read_json(path)):
-        turns = [" ".join(m["text"].strip() for m in turn) for turn in dialogues[key]["messages"]]
-        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)]
-        if len(messages) % 2:
-            messages.pop()
-        if messages:
-            conversations.append({"messages": messages})
+    """Dialogues as chat messages: the first speaker is the user, the other the assistant. The file (40 MB of JSON)
+    is read a dialogue at a time, each kept as its messages only (the whole file as objects: 170 MB)."""
+    with open(path, "rb") as file:
+        dialogues = {key: _chat_messages(dialogue) for key, dialogue in members(file, str(path))}
+    conversations = [{"messages": dialogues[key]} for key in sorted(dialogues) if dialogues[key]]
     random.Random(seed).shuffle(conversations)
     return conversations[:n_train], conversations[n_train : n_train + n_heldout]
+
+
+def _chat_messages(dialogue: dict) -> list[dict]:
+    """A dialogue's turns as alternating user and assistant messages, a trailing user turn dropped."""
+    turns = [" ".join(m["text"].strip() for m in turn) for turn in dialogue["messages"]]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(turns)]
+    return messages[: len(messages) // 2 * 2]
 
 
 def build_packaged_corpora(

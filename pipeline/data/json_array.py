@@ -1,6 +1,7 @@
-"""A JSON array of rows (Stanford Alpaca's `alpaca_data.json`, LLaMA-Factory's files) read an element at a time from
-a binary stream: memory holds a block of the file and the element being read, never the file. Errors name the
-element and the line it starts on."""
+"""A JSON array of rows (Stanford Alpaca's `alpaca_data.json`, LLaMA-Factory's files) read an element at a time, and a
+JSON object of objects (chitchat_dataset's `dataset.json`) a member at a time, from a binary stream: memory holds a
+block of the file and the value being read, never the file. Errors name the element (or member) and the line it
+starts on."""
 
 from __future__ import annotations
 
@@ -26,24 +27,42 @@ def opens_array(file: BinaryIO) -> bool:
 def elements(file: BinaryIO, name: str) -> Iterator[tuple[int, int, dict]]:
     """(element number, line, object) of the JSON array in `file` (`name` in errors), from its start."""
     decoder, text = json.JSONDecoder(), _Text(file, name)
-    text.expect("[", "a JSON array")
+    for number, line in _entries(text, "[]", "a JSON array", "element"):
+        yield number, line, _value(decoder, text, f"{name}:element {number} (line {line})", dict)
+
+
+def members(file: BinaryIO, name: str) -> Iterator[tuple[str, dict]]:
+    """(key, object) of the JSON object of objects in `file` (`name` in errors), in the file's order."""
+    decoder, text = json.JSONDecoder(), _Text(file, name)
+    for number, line in _entries(text, "{}", "a JSON object", "member"):
+        at = f"{name}:member {number} (line {line})"
+        key = _value(decoder, text, at, str)
+        text.expect(":", f"':' after member {number}'s key")
+        text.skip()
+        yield key, _value(decoder, text, at, dict)
+
+
+def _entries(text: _Text, brackets: str, what: str, entry: str) -> Iterator[tuple[int, int]]:
+    """(number, line) of each entry of the array or object (`brackets`) opened at the reading position, which is at
+    the entry's start when it is yielded; the caller reads the entry before asking for the next."""
+    opening, closing = brackets
+    text.expect(opening, what)
     number = 0
-    if text.skip() == "]":
+    if text.skip() == closing:
         text.close()
         return
     while True:
         number += 1
         text.skip()
-        line = text.lines
-        yield number, line, _element(decoder, text, f"{name}:element {number} (line {line})")
-        if text.skip() == "]":
+        yield number, text.lines
+        if text.skip() == closing:
             text.close()
             return
-        text.expect(",", f"',' or ']' after element {number}")
+        text.expect(",", f"',' or '{closing}' after {entry} {number}")
 
 
-def _element(decoder: json.JSONDecoder, text: _Text, at: str) -> dict:
-    """The object at the reading position, more blocks read while it is incomplete."""
+def _value(decoder: json.JSONDecoder, text: _Text, at: str, kind: type) -> dict | str:
+    """The value (of `kind`) at the reading position, more blocks read while it is incomplete."""
     while True:
         try:
             value, end = decoder.raw_decode(text.buffer, text.pos)
@@ -54,8 +73,9 @@ def _element(decoder: json.JSONDecoder, text: _Text, at: str) -> dict:
                 raise ValueError(f"{at}: invalid JSON ({err.msg})") from None
         if len(text.buffer) - text.pos > MAX_ELEMENT_CHARS:
             raise ValueError(f"{at}: an element longer than {MAX_ELEMENT_CHARS:,} characters, or not closed")
-    if not isinstance(value, dict):
-        raise ValueError(f"{at}: expected a JSON object, got {type(value).__name__}")
+    if not isinstance(value, kind):
+        expected = "a JSON object" if kind is dict else "a JSON string"
+        raise ValueError(f"{at}: expected {expected}, got {type(value).__name__}")
     text.advance(end)
     return value
 
@@ -103,7 +123,9 @@ class _Text:
         self.advance(self.pos + 1)
 
     def close(self) -> None:
-        """The end of the array: nothing but whitespace may follow."""
+        """The end of the array (or object): nothing but whitespace may follow."""
+        closing = self.buffer[self.pos]
         self.advance(self.pos + 1)
         if self.skip():
-            raise ValueError(f"{self.name}:{self.lines}: text after the JSON array's closing ']'")
+            kind = "array" if closing == "]" else "object"
+            raise ValueError(f"{self.name}:{self.lines}: text after the JSON {kind}'s closing {closing!r}")

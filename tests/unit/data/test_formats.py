@@ -147,6 +147,31 @@ def test_json_array_elements_across_blocks_are_read_whole(tmp_path, monkeypatch)
         verify(tmp_path / "empty.json", "alpaca")
 
 
+def test_a_json_object_s_members_are_read_one_at_a_time_as_json_reads_the_whole(tmp_path, monkeypatch):
+    """chitchat_dataset's layout (an object of dialogues), across block edges; a key given twice keeps its last value,
+    as json.load does; a broken member is named with its line."""
+    text = json.dumps({f"k{i}": {"messages": [[{"text": "\u4e2d" * i + '\\"'}]]} for i in range(40)}, indent=2)
+    path = tmp_path / "dialogues.json"
+    path.write_text(text[:-1] + ', "k3": {"messages": []}}', encoding="utf-8")
+    for block in (1, 5, 64, 1 << 22):
+        monkeypatch.setattr(json_array, "BLOCK", block)
+        with open(path, "rb") as file:
+            assert dict(json_array.members(file, "d.json")) == json.loads(path.read_text(encoding="utf-8")), block
+    for content, message in [
+        (" { } ", None),
+        ('{"a": {},\n "b": []}', r"d.json:member 2 \(line 2\): expected a JSON object, got list"),
+        ('{"a" {}}', r"d.json:1: expected ':' after member 1's key"),
+        ('{"a": {}} x', r"d.json:1: text after the JSON object's closing '}'"),
+    ]:
+        path.write_text(content, encoding="utf-8")
+        with open(path, "rb") as file:
+            if message is None:
+                assert list(json_array.members(file, "d.json")) == []
+            else:
+                with pytest.raises(ValueError, match=message):
+                    list(json_array.members(file, "d.json"))
+
+
 def test_chat_brings_its_template_and_auto_validates():
     """data.format=chat needs no second key (the chat template renders it whatever prompt_template says; a template
     set with it is reported as without effect); data.format=auto composes with any objective (check decides)."""
