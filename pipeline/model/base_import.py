@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -84,7 +85,7 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
     import numpy as np
     from gguf import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.integrations.gguf import GgufHeader, load_gguf_state_dict
+    from transformers.integrations.gguf import GgufHeader
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     from pipeline.checkpoints.safetensors_stream import parse_size, write_shards
@@ -98,7 +99,7 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
     names = get_gguf_hf_weights_map(skeleton, processor)
-    found = {names[name]: (name, t) for name, t in load_gguf_state_dict(header).items() if name in names}  # unread
+    found = {names[info.name]: info for info in header.tensors if info.name in names}
     wanted = {key: tuple(value.shape) for key, value in skeleton.state_dict().items()}
     tied = {key for key in wanted if key not in found and _tied(skeleton, key)}
     missing = sorted(set(wanted) - set(found) - tied)
@@ -106,17 +107,24 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
         raise ValueError(f"model.path: {path} holds no tensor for {missing[:4]} ({len(missing)} in all)")
 
     def produce(key: str) -> torch.Tensor:
-        name, tensor = found[key]
-        rows = tensor.data.reshape(*tensor.shape[:-1], -1)  # the file's bytes, a row of blocks (or values) per row
-        weights = np.empty(wanted[key], dtype=np.float32)  # filled a block of rows at a time: no whole temporaries
-        for start in range(0, len(weights), GGUF_ROWS):
-            weights[start : start + GGUF_ROWS] = dequantize(rows[start : start + GGUF_ROWS], tensor.ggml_type)
-        weights = processor.process(weights=weights, name=name, tensor_key_mapping=names).weights
+        info = found[key]
+        rows = math.prod(info.shape[:-1])
+        row_bytes = info.nbytes // rows  # a row of blocks (or of values)
+        weights = np.empty((rows, info.shape[-1]), dtype=np.float32)  # filled a block of rows at a time
+        for start in range(0, rows, GGUF_ROWS):
+            count = min(GGUF_ROWS, rows - start)
+            raw = os.pread(file.fileno(), count * row_bytes, header.data_start + info.offset + start * row_bytes)
+            if len(raw) != count * row_bytes:
+                raise ValueError(f"model.path: {path} ends inside tensor {info.name}; expected a whole GGUF file")
+            weights[start : start + count] = dequantize(np.frombuffer(raw, np.uint8).reshape(count, -1), info.ggml_type)
+        weights = weights.reshape(info.shape)
+        weights = processor.process(weights=weights, name=info.name, tensor_key_mapping=names).weights
         return torch.from_numpy(np.ascontiguousarray(weights)).to(dtype)
 
     entries = [(key, wanted[key], dtype) for key in wanted if key not in tied]
     out_dir.mkdir(parents=True)
-    write_shards(out_dir, entries, produce, max_bytes=parse_size(max_shard_size, "model.max_shard_size"))
+    with open(path, "rb") as file:  # read, not mapped: a mapped file's pages would stay in the process's memory
+        write_shards(out_dir, entries, produce, max_bytes=parse_size(max_shard_size, "model.max_shard_size"))
     config.architectures = [type(skeleton).__name__]
     config.dtype = dtype
     config.save_pretrained(out_dir)
