@@ -91,6 +91,11 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
     from pipeline.checkpoints.safetensors_stream import parse_size, write_shards
 
     header = GgufHeader.from_file(str(path))  # the tensor table alone (gguf's own reader parses the vocabulary too)
+    size = path.stat().st_size
+    if cut := [info.name for info in header.tensors if header.data_start + info.offset + info.nbytes > size]:
+        raise ValueError(
+            f"model.path: {path} ends inside tensor {cut[0]} ({len(cut)} cut short); expected the whole GGUF file"
+        )
     processor_class = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)
     if processor_class.__name__ not in STREAMED:
         return False
@@ -114,8 +119,6 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
         for start in range(0, rows, GGUF_ROWS):
             count = min(GGUF_ROWS, rows - start)
             raw = os.pread(file.fileno(), count * row_bytes, header.data_start + info.offset + start * row_bytes)
-            if len(raw) != count * row_bytes:
-                raise ValueError(f"model.path: {path} ends inside tensor {info.name}; expected a whole GGUF file")
             weights[start : start + count] = dequantize(np.frombuffer(raw, np.uint8).reshape(count, -1), info.ggml_type)
         weights = weights.reshape(info.shape)
         weights = processor.process(weights=weights, name=info.name, tensor_key_mapping=names).weights

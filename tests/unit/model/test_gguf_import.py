@@ -64,3 +64,17 @@ def test_conversion_holds_less_than_the_model(tmp_path):
     weights = sum(f.stat().st_size for f in (tmp_path / "base").glob("*.safetensors")) / 2**20
     assert int(done.stdout.split()[-1]) < 275 + weights, done.stdout
     assert json.loads((tmp_path / "base/config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_a_gguf_file_cut_short_is_refused_naming_the_tensor_and_nothing_is_written(tmp_path):
+    from pipeline.model.base_import import import_base
+
+    path = resolve(GGUF)
+    cut = tmp_path / "cut" / path.name
+    cut.parent.mkdir()
+    with open(path, "rb") as whole, open(cut, "wb") as part:
+        part.write(whole.read(path.stat().st_size * 2 // 3))
+    out, tokenizer = tmp_path / "base", tmp_path / "base_tokenizer"
+    with pytest.raises(ValueError, match=rf"model.path: {cut} ends inside tensor blk\.\d+\.\w+"):
+        import_base(source=cut, out_dir=out, tokenizer_dir=tokenizer, dtype="float32", max_shard_size="2GB")
+    assert not out.exists() and not tokenizer.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cut"]
