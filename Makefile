@@ -7,6 +7,10 @@ export PATH := $(BIN):$(PATH)
 export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
+# The unit tier on a worker per core (pytest-xdist, at most 4): its tests are in-process and mostly single-threaded
+# (one core busy of two: 243 s alone, 160 s on two workers). The integration tier stays serial: its launches use
+# every core, and a second tier beside it cost more than it saved (docs/testing.md).
+UNIT_WORKERS ?= -n auto --maxprocesses 4
 
 .PHONY: help setup browser nodes run test test-fast test-unit test-times repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
@@ -46,10 +50,11 @@ nodes: ## install Debian's openssh-server, pdsh, slurm-wlm and munge for the mul
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
-test: setup browser nodes ## lint, then every test (unit and integration; the repro check at tiny size among them)
+test: setup browser nodes ## lint, then every test: the unit tier, then the integration tier (the repro check at tiny size among them)
 	ruff check pipeline stages tools tests bench
 	ruff format --check pipeline stages tools tests bench
-	pytest
+	pytest -m "not integration" $(UNIT_WORKERS) --junitxml=test-results/unit.xml; unit=$$?; \
+	  pytest -m integration --junitxml=test-results/integration.xml && exit $$unit
 
 repro-check: setup ## run the pipeline twice from scratch on a tiny config and compare every output
 	python -m tools.repro_check
@@ -62,14 +67,14 @@ fuzz: setup ## the checkpoint loader under the pickle fuzzer for 10 minutes (FUZ
 	  PICKLE_FUZZ_OUT=$(CURDIR)/fuzz-pickles pytest -s -p no:cacheprovider tests/integration/test_pickle_fuzz.py
 
 test-unit: setup ## every unit test (no integration: no DeepSpeed launch, DVC or server)
-	pytest -m "not integration"
+	pytest -m "not integration" $(UNIT_WORKERS) --junitxml=test-results/unit.xml
 
-test-times: setup ## where the last test run's time went: each file's tests and minutes, slowest first (from its junit.xml)
-	python -m tools.test_times
+test-times: setup ## where the last make test's time went: each file's tests and minutes, slowest first (its JUnit files)
+	python -m tools.test_times test-results/unit.xml test-results/integration.xml
 
 test-fast: setup ## the edit-test loop, a few minutes: lint, then the unit tests less those marked slow
 	ruff check pipeline stages tools tests bench
-	pytest -m "not integration and not slow" -q
+	pytest -m "not integration and not slow" -q $(UNIT_WORKERS)
 
 lint: setup ## ruff lint and format check
 	ruff check pipeline stages tools tests bench && ruff format --check pipeline stages tools tests bench

@@ -1,7 +1,8 @@
-"""Where the test suite's time goes, from a run's JUnit file (pytest writes test-results/junit.xml on every run):
-each file's tests and seconds, slowest first, with its slowest tests; the total against the suite's budget.
+"""Where the test suite's time goes, from a run's JUnit files (pytest writes test-results/junit.xml on every run;
+`make test` writes unit.xml and integration.xml, one per tier): each file's tests and seconds, slowest first, with its
+slowest tests. The unit tier runs on a worker per core (pytest-xdist): its tests' seconds add up to more than its wall.
 
-    python -m tools.test_times [test-results/junit.xml] [--top 5]
+    python -m tools.test_times [test-results/junit.xml ...] [--top 5]
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def file_times(junit: Path) -> dict[str, list[tuple[float, str]]]:
-    """{test file: [(seconds, test name), ...] slowest first}; a test's seconds include its fixtures' setup."""
+def file_times(*junits: Path) -> dict[str, list[tuple[float, str]]]:
+    """{test file: [(seconds, test name), ...] slowest first} over the JUnit files `junits`; a test's seconds include
+    its fixtures' setup."""
     found: dict[str, list[tuple[float, str]]] = defaultdict(list)
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    cases = (case for junit in junits for case in ET.parse(junit).getroot().iter("testcase"))
+    for case in cases:
         module = case.get("classname", "").replace(".", "/") + ".py"
         found[module.removeprefix("tests/")].append((float(case.get("time", 0)), case.get("name", "")))
     return {name: sorted(cases, reverse=True) for name, cases in found.items()}
@@ -23,12 +26,13 @@ def file_times(junit: Path) -> dict[str, list[tuple[float, str]]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("junit", nargs="?", type=Path, default=Path("test-results/junit.xml"))
+    parser.add_argument("junits", nargs="*", type=Path, default=[Path("test-results/junit.xml")])
     parser.add_argument("--top", type=int, default=5, help="slowest tests shown per file")
     args = parser.parse_args(argv)
-    if not args.junit.is_file():
-        raise SystemExit(f"{args.junit}: no JUnit file (pytest writes one on every run: test-results/junit.xml)")
-    times = file_times(args.junit)
+    for junit in args.junits:
+        if not junit.is_file():
+            raise SystemExit(f"{junit}: no JUnit file (pytest writes one on every run: test-results/junit.xml)")
+    times = file_times(*args.junits)
     total = sum(s for cases in times.values() for s, _ in cases)
     print(f"{sum(map(len, times.values()))} tests, {total / 60:.1f} min in tests (fixtures included)")
     for name, cases in sorted(times.items(), key=lambda item: -sum(s for s, _ in item[1])):
