@@ -16,9 +16,12 @@ def extensions_dir() -> Path:
 
 
 def with_venv_path(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: os.environ) with this interpreter's bin folder first on PATH and its own ops folder."""
+    """`env` (default: os.environ) with this interpreter's bin folder first on PATH (once: an environment that has it
+    first already is left as it is, so that nested calls give one environment) and its own ops folder."""
     env = dict(os.environ if env is None else env)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    entries, venv_bin = [e for e in env.get("PATH", "").split(os.pathsep) if e], str(Path(sys.executable).parent)
+    if entries[:1] != [venv_bin]:  # an empty entry would be the working folder: none is added
+        env["PATH"] = os.pathsep.join([venv_bin, *entries])
     env.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_dir()))
     return env
 
