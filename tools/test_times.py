@@ -17,8 +17,7 @@ def file_times(*junits: Path) -> dict[str, list[tuple[float, str]]]:
     """{test file: [(seconds, test name), ...] slowest first} over the JUnit files `junits`; a test's seconds include
     its fixtures' setup."""
     found: dict[str, list[tuple[float, str]]] = defaultdict(list)
-    cases = (case for junit in junits for case in ET.parse(junit).getroot().iter("testcase"))
-    for case in cases:
+    for case in (case for junit in junits for case in ET.parse(junit).getroot().iter("testcase")):
         module = case.get("classname", "").replace(".", "/") + ".py"
         found[module.removeprefix("tests/")].append((float(case.get("time", 0)), case.get("name", "")))
     return {name: sorted(cases, reverse=True) for name, cases in found.items()}

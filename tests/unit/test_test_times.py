@@ -30,10 +30,14 @@ def test_each_files_tests_slowest_first(tmp_path, capsys):
 
 
 def test_the_tiers_files_add_up_as_one_run(tmp_path, capsys):
-    unit, integration = tmp_path / "unit.xml", tmp_path / "integration.xml"
+    unit, integration, whole = tmp_path / "unit.xml", tmp_path / "integration.xml", tmp_path / "junit.xml"
     unit.write_text(HEAD + UNIT + TAIL)
     integration.write_text(HEAD + INTEGRATION + TAIL)
+    whole.write_text(HEAD + INTEGRATION + UNIT + TAIL)
+    assert file_times(unit, integration) == file_times(whole)
     main([str(unit), str(integration), "--top", "1"])
-    assert capsys.readouterr().out.splitlines()[0] == "3 tests, 0.7 min in tests (fixtures included)"
+    tiers = capsys.readouterr().out
+    main([str(whole), "--top", "1"])
+    assert tiers == capsys.readouterr().out and tiers.startswith("3 tests, 0.7 min in tests (fixtures included)\n")
     with pytest.raises(SystemExit, match="missing.xml: no JUnit file"):
         main([str(unit), str(tmp_path / "missing.xml")])
