@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,14 +22,14 @@ def missing() -> str | None:
     return None if os.getuid() == 0 else "slurmd runs jobs as root here; not root"
 
 
-def config(folder: Path) -> str:
+def config(folder: Path, spool: Path) -> str:
     host = subprocess.run(["hostname"], capture_output=True, text=True, check=True).stdout.strip()
     ports = [free_port() for _ in range(3)]
     nodes = "".join(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={p} CPUs=2 State=UNKNOWN\n"
                     for n, p in zip(NODES, ports[1:], strict=True))  # fmt: skip
     return (
         f"ClusterName=tests\nSlurmctldHost={host}(127.0.0.1)\nSlurmctldPort={ports[0]}\nSlurmUser=root\n"
-        f"SlurmdUser=root\nAuthType=auth/munge\nStateSaveLocation={folder}/state\nSlurmdSpoolDir={folder}/spool/%n\n"
+        f"SlurmdUser=root\nAuthType=auth/munge\nStateSaveLocation={folder}/state\nSlurmdSpoolDir={spool}/%n\n"
         f"SlurmctldPidFile={folder}/slurmctld.pid\nSlurmdPidFile={folder}/slurmd-%n.pid\n"
         "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nSwitchType=switch/none\nMpiDefault=none\n"
         "ReturnToService=2\nSchedulerType=sched/builtin\nSelectType=select/cons_tres\nSelectTypeParameters=CR_Core\n"
@@ -40,9 +41,13 @@ def config(folder: Path) -> str:
 def start(folder: Path) -> tuple[dict[str, str], list[subprocess.Popen]]:
     """Start munge (where it is not running), slurmctld and the two slurmd; the environment that reaches them
     (SLURM_CONF) and the processes to stop."""
-    for sub in ("state", "spool"):
+    for sub in ("state",):
         (folder / sub).mkdir(parents=True, exist_ok=True)
-    (folder / "slurm.conf").write_text(config(folder))
+    # slurmstepd listens on SPOOL/NODE/NODE_JOB.STEP (a batch step is 4294967291): a socket's path holds 107 bytes,
+    # which a pytest worker's folder overran (the job was held: "slurmstepd failed to send return code got 0")
+    spool = Path(tempfile.mkdtemp(prefix="slurmd-"))
+    (folder / "spool").symlink_to(spool)
+    (folder / "slurm.conf").write_text(config(folder, spool))
     env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf")}
     if subprocess.run(["sh", "-c", "munge -n | unmunge"], capture_output=True).returncode:
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
@@ -60,7 +65,8 @@ def start(folder: Path) -> tuple[dict[str, str], list[subprocess.Popen]]:
     return {"SLURM_CONF": env["SLURM_CONF"]}, daemons
 
 
-def stop(daemons: list[subprocess.Popen]) -> None:
+def stop(folder: Path, daemons: list[subprocess.Popen]) -> None:
     for daemon in daemons:
         daemon.terminate()
         daemon.wait()
+    shutil.rmtree((folder / "spool").resolve(), ignore_errors=True)

@@ -189,18 +189,20 @@ def test_one_dvc_exp_run_trains_across_the_nodes_and_runs_the_rest_once(tmp_path
 def test_the_sbatch_template_trains_across_two_slurm_nodes(tmp_path, tiny_pipeline):
     """tools/slurm_train.sbatch through a real Slurm of two nodes: the batch script runs the pipeline on the first
     node, the train stage one launcher per node through srun (world 2, one rank a node)."""
-    slurm_env, daemons = slurm.start(tmp_path / "slurm")
+    slurm_env, daemons = slurm.start(folder := tmp_path / "slurm")
     try:
         project = tmp_path / "project"
         shutil.copytree(tiny_pipeline.roots[0], project, symlinks=True)
         overrides = [*tiny_pipeline.overrides, *LONGER, "launcher.accelerator=cpu", "launcher.ranks_per_node=1"]
         sets = [x for o in overrides for x in ("-S", o)]
         command = ["sbatch", "--wait", "--nodes=2", "tools/slurm_train.sbatch", *sets]
-        done = subprocess.run(command, cwd=project, env={**env(), **slurm_env}, capture_output=True, text=True)
+        done = subprocess.run(
+            command, cwd=project, env={**env(), **slurm_env}, capture_output=True, text=True, timeout=900
+        )  # a held job (its launch failed) would keep sbatch --wait forever
         logs = "".join(p.read_text() for p in project.glob("slurm-*.out"))
         assert done.returncode == 0, done.stdout + done.stderr + logs[-4000:]
     finally:
-        slurm.stop(daemons)
+        slurm.stop(folder, daemons)
     after = read_json(project / "metrics" / "train.json")
     assert (after["world_size"], after["steps"], after["resumed_from_step"]) == (2, 6, 0)
     launched = read_json(project / "artifacts" / "checkpoints" / "plan.json")["launch"]

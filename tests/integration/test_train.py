@@ -71,15 +71,16 @@ def test_two_ranks_equal_one_rank_zero2(two_ranks_zero2, reference):
     assert len(list((two_ranks_zero2 / "checkpoints").glob("step_*"))) == 2, "keep_last=2"
 
 
-def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(tmp_path, inputs, tiny_base_dir, monkeypatch):
+def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
+    tmp_path, tmp_path_factory, inputs, tiny_base_dir, monkeypatch
+):
     """The suite's launches fork their ranks from rank servers (tests/conftest.py) that did a rank's imports: here
     with servers of its own, the first launch of a key starts fresh ranks and marks it, the second starts fresh ranks
     and the key's server, the third forks both ranks from it and trains bit for bit as the first; a rank that dies
     of a signal gives its exit code to the stage as a fresh one does."""
     from pipeline.launching import rank_server
 
-    folder = tmp_path / "servers"
-    folder.mkdir()
+    folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes (an xdist worker's is longer)
     monkeypatch.setenv(rank_server.FOLDER, str(folder))
     overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2"]
     try:
