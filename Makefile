@@ -7,10 +7,11 @@ export PATH := $(BIN):$(PATH)
 export TOKENIZERS_PARALLELISM := true
 UI_PORT ?= 5000
 UI_STORE ?= sqlite:///mlruns.db
-# The unit tier on a worker per core (pytest-xdist, at most 4): its tests are in-process and mostly single-threaded
-# (one core busy of two: 243 s alone, 160 s on two workers). The integration tier stays serial: its launches use
-# every core, and a second tier beside it cost more than it saved (docs/testing.md).
+# Both tiers on a worker per core (pytest-xdist, at most 4; docs/testing.md). The unit tier's tests are in-process and
+# mostly single-threaded (243 s alone, 160 s on two workers). The integration tier's launches leave a quarter of the
+# cores idle: its files go to workers whole, those sharing the tiny pipeline to one (tests/conftest.py).
 UNIT_WORKERS ?= -n auto --maxprocesses 4
+INTEGRATION_WORKERS ?= -n auto --maxprocesses 4 --dist loadgroup
 
 .PHONY: help setup browser nodes run test test-fast test-unit test-times repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
@@ -54,7 +55,7 @@ test: setup browser nodes ## lint, then every test: the unit tier, then the inte
 	ruff check pipeline stages tools tests bench
 	ruff format --check pipeline stages tools tests bench
 	pytest -m "not integration" $(UNIT_WORKERS) --junitxml=test-results/unit.xml; unit=$$?; \
-	  pytest -m integration --junitxml=test-results/integration.xml && exit $$unit
+	  pytest -m integration $(INTEGRATION_WORKERS) --junitxml=test-results/integration.xml && exit $$unit
 
 repro-check: setup ## run the pipeline twice from scratch on a tiny config and compare every output
 	python -m tools.repro_check

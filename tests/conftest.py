@@ -56,11 +56,34 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{report.nodeid.split('::')[-1]}: {name} {value}")
 
 
+# Session fixtures that are whole runs: the files using one go to the same worker (`--dist loadgroup`), the costlier
+# first where a file uses both (the tiny pipeline is two `dvc repro`s, about 2 minutes; the training runs 10-20 s).
+SHARED_RUNS = (("tiny_pipeline", {"tiny_pipeline"}), ("training_runs", {"reference", "two_ranks_zero2"}))
+
+
+def integration_groups(items) -> dict[Path, str]:
+    """Each integration file's xdist group: the first shared run its tests use, else the file itself (so that its
+    module fixtures are built once)."""
+    used: dict[Path, set[str]] = {}
+    for item in items:
+        if item.get_closest_marker("integration") is not None:
+            used.setdefault(item.path, set()).update(getattr(item, "fixturenames", ()))
+    return {
+        path: next((group for group, runs in SHARED_RUNS if runs & names), path.stem) for path, names in used.items()
+    }
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped where torch.cuda.is_available() is false (run by the GPU check). A test marked
-    `cpu_family(machine, reason)` can only hold on that CPU family: skipped on another, saying which and why."""
+    `cpu_family(machine, reason)` can only hold on that CPU family: skipped on another, saying which and why.
+    Integration tests get their xdist group (`integration_groups`)."""
     import platform
 
+    groups = integration_groups(items)
+    for item in items:
+        if item.path in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.path]))
     for item in items:
         family = item.get_closest_marker("cpu_family")
         if family is not None and family.args[0] != platform.machine():
