@@ -1,6 +1,6 @@
 """Where the test suite's time goes, from a run's JUnit files (pytest writes test-results/junit.xml on every run;
 `make test` writes unit.xml and integration.xml, one per tier): each file's tests and seconds, slowest first, with its
-slowest tests. The unit tier runs on a worker per core (pytest-xdist): its tests' seconds add up to more than its wall.
+slowest tests. Both tiers run on a worker per core (pytest-xdist): their tests' seconds add up to more than their wall.
 
     python -m tools.test_times [test-results/junit.xml ...] [--top 5]
 """
@@ -19,8 +19,14 @@ def file_times(*junits: Path) -> dict[str, list[tuple[float, str]]]:
     found: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for case in (case for junit in junits for case in ET.parse(junit).getroot().iter("testcase")):
         module = case.get("classname", "").replace(".", "/") + ".py"
-        found[module.removeprefix("tests/")].append((float(case.get("time", 0)), case.get("name", "")))
+        found[module.removeprefix("tests/")].append((float(case.get("time", 0)), test_name(case.get("name", ""))))
     return {name: sorted(cases, reverse=True) for name, cases in found.items()}
+
+
+def test_name(name: str) -> str:
+    """A test's name less the worker group the integration tier gives it (`test_x[case]@group`, tests/conftest.py)."""
+    head, at, group = name.rpartition("@")
+    return head if at and "]" not in group else name
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from tools.test_times import file_times, main
 
 HEAD = '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="2" time="42.0">'
 INTEGRATION = """<testcase classname="tests.integration.test_train" name="test_resume" time="30.5" />
-<testcase classname="tests.integration.test_train" name="test_zero3" time="1.5" />"""
+<testcase classname="tests.integration.test_train" name="test_zero3[a@b]@training_runs" time="1.5" />"""
 UNIT = """<testcase classname="tests.unit.merge.test_merge" name="test_tied[fp32]" time="10.0" />"""
 TAIL = "</testsuite></testsuites>"
 
@@ -17,7 +17,7 @@ def test_each_files_tests_slowest_first(tmp_path, capsys):
     junit = tmp_path / "junit.xml"
     junit.write_text(HEAD + INTEGRATION + UNIT + TAIL)
     assert file_times(junit) == {
-        "integration/test_train.py": [(30.5, "test_resume"), (1.5, "test_zero3")],
+        "integration/test_train.py": [(30.5, "test_resume"), (1.5, "test_zero3[a@b]")],
         "unit/merge/test_merge.py": [(10.0, "test_tied[fp32]")],
     }
     main([str(junit), "--top", "1"])
