@@ -19,11 +19,11 @@ def file_times(*junits: Path) -> dict[str, list[tuple[float, str]]]:
     found: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for case in (case for junit in junits for case in ET.parse(junit).getroot().iter("testcase")):
         module = case.get("classname", "").replace(".", "/") + ".py"
-        found[module.removeprefix("tests/")].append((float(case.get("time", 0)), test_name(case.get("name", ""))))
+        found[module.removeprefix("tests/")].append((float(case.get("time", 0)), without_group(case.get("name", ""))))
     return {name: sorted(cases, reverse=True) for name, cases in found.items()}
 
 
-def test_name(name: str) -> str:
+def without_group(name: str) -> str:
     """A test's name less the worker group the integration tier gives it (`test_x[case]@group`, tests/conftest.py)."""
     head, at, group = name.rpartition("@")
     return head if at and "]" not in group else name

@@ -41,8 +41,7 @@ def config(folder: Path, spool: Path) -> str:
 def start(folder: Path) -> tuple[dict[str, str], list[subprocess.Popen]]:
     """Start munge (where it is not running), slurmctld and the two slurmd; the environment that reaches them
     (SLURM_CONF) and the processes to stop."""
-    for sub in ("state",):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
+    (folder / "state").mkdir(parents=True, exist_ok=True)
     # slurmstepd listens on SPOOL/NODE/NODE_JOB.STEP (a batch step is 4294967291): a socket's path holds 107 bytes,
     # which a pytest worker's folder overran (the job was held: "slurmstepd failed to send return code got 0")
     spool = Path(tempfile.mkdtemp(prefix="slurmd-"))
