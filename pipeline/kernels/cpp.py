@@ -35,20 +35,22 @@ NEEDS = {  # the CPU flags (/proc/cpuinfo) a forced path's instructions need
 }
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none), read once a process: a
+    rank's layers ask for their kernels at every call, and /proc/cpuinfo of a many-core node is long to read."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        return set()
+        return frozenset()
     line = next((x for x in cpuinfo.read_text().splitlines() if x.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 def unrunnable(isa: str) -> str | None:
     """Why this CPU cannot run the path `isa` (None where it can)."""
     if isa in NEEDS and not X86:
         return f"an x86-64 path; this machine is {platform.machine()}"
-    missing = NEEDS.get(isa, set()) - cpu_flags()
+    missing = NEEDS[isa] - cpu_flags() if isa in NEEDS else set()
     return f"this CPU lacks {', '.join(sorted(missing))}" if missing else None
 
 
