@@ -13,6 +13,7 @@ Variants (`--variants`, in this order by default):
 - low_memory: the defaults with checkpointing on (train.gradient_checkpointing=true);
 - zero3: the defaults under ZeRO-3 (LoRA's tensors kept whole, a layer prefetched);
 - zero3_no_fetch: zero3 without kernels/zero3_fetch (DeepSpeed's own fetch: its effect measured in the same call);
+- zero3_no_release: zero3 without kernels/zero3_release (DeepSpeed's own release, measured the same way);
 - dpo: DPO (reference precomputed) on pairs of two 2,048-token sides, the LM step's 4,096 tokens a step;
 - nemo: NeMo AutoModel's published shape (micro-batch 2 x 4,096, 16 micro-batches a step), 3 steps;
 - eager: transformers + PEFT's own loop (SDPA, torch's fused AdamW), checkpointing off.
@@ -60,10 +61,22 @@ VARIANTS = {  # name: (overrides, data: lm | dpo)
     "low_memory": (["train.gradient_checkpointing=true"], "lm"),
     "zero3": (["deepspeed=zero3"], "lm"),
     "zero3_no_fetch": (["deepspeed=zero3", "train.kernels_skip=[zero3_fetch]"], "lm"),
+    "zero3_no_release": (["deepspeed=zero3", "train.kernels_skip=[zero3_release]"], "lm"),
     "dpo": (["train.objective=dpo", "train.reference=precomputed", "train.beta=0.1"], "dpo"),
     "nemo": (["train.micro_batch_size=2", "train.gradient_accumulation_steps=16", "train.global_batch_size=32"], "lm"),
 }
-ALL = ("previous", "tail", "default", "eager", "zero3", "zero3_no_fetch", "dpo", "low_memory", "nemo")
+ALL = (
+    "previous",
+    "tail",
+    "default",
+    "eager",
+    "zero3",
+    "zero3_no_fetch",
+    "zero3_no_release",
+    "dpo",
+    "low_memory",
+    "nemo",
+)
 SMOKE_VARIANTS = ("previous", "default", "eager", "dpo")  # make test: each path, at CI's cost
 NEMO_STEPS = 3  # 131,072 tokens a step: the first warms up
 FIGURES = ("steady_tokens_per_s", "tokens_per_s", "mfu", "peak_gpu_memory_mb", "peak_memory_mb", "final_train_loss",

@@ -1,8 +1,9 @@
 """Started by tests/unit/kernels/test_compiled_layers.py as a process of its own (one rank over gloo, no launcher): a
 tiny LoRA model with a trained head under ZeRO-3, its decoder layers gathered whole as the rank gathers them, over
 the layer paths a GPU installs; trained two steps with the layers eager, then compiled, then eager with the fetch of
-`kernels/zero3_fetch.py` (one rank: no gather). Writes each run's losses and gathered trained tensors to
-OUT/{eager,compiled,fetched}.safetensors, and the graphs compiled and the fetches without a host sync to
+`kernels/zero3_fetch.py` (one rank: no gather), then with that fetch and the release of `kernels/zero3_release.py`.
+Writes each run's losses and gathered trained tensors to OUT/{eager,compiled,fetched,released}.safetensors, and the
+graphs compiled, the fetches without a host sync and the releases (direct, and through DeepSpeed's path) to
 OUT/counts.json."""
 
 import argparse
@@ -15,7 +16,7 @@ from safetensors.torch import save_file
 
 from pipeline.core import imports
 from pipeline.core.environment import free_port
-from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear, zero3_fetch
+from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear, zero3_fetch, zero3_release
 from pipeline.model.lora import parameter_groups
 from pipeline.training import ds_config, loop
 from pipeline.training.rank import gather_whole_layers
@@ -23,7 +24,7 @@ from tests.helpers.lora_model import tiny_lora
 from tests.helpers.zero_worker import EPSILON  # Adam's, large enough not to amplify rounding residues
 
 
-def train(*, compiled: bool, fetched: bool) -> dict[str, torch.Tensor]:
+def train(*, compiled: bool, fetched: bool, released: bool, counts: dict) -> dict[str, torch.Tensor]:
     deepspeed = imports.deepspeed()
     model = tiny_lora(torch.float32, layers=3)
     model.config.use_cache = False  # as load_lora_model sets it: no KV cache in training
@@ -41,6 +42,9 @@ def train(*, compiled: bool, fetched: bool) -> dict[str, torch.Tensor]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if fetched:
         assert zero3_fetch.install(engine)
+    if released:
+        assert zero3_release.install(engine)
+        counting(zero3_release.RELEASE, counts, "direct_releases")
     engine.train()
     losses = []
     for step in range(2):
@@ -50,6 +54,20 @@ def train(*, compiled: bool, fetched: bool) -> dict[str, torch.Tensor]:
         engine.step()
         losses.append(loss.detach().float())
     return {"losses": torch.stack(losses), **loop.gathered_trainable(engine)}
+
+
+def counting(name: str, counts: dict, key: str) -> None:
+    """Count the calls of DeepSpeed's coordinator's method `name` (as installed now) under `key`."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as coordinator
+
+    method = getattr(coordinator, name)
+
+    def counted(*args, **kwargs):
+        counts[key] = counts.get(key, 0) + 1
+        return method(*args, **kwargs)
+
+    counted.direct = getattr(method, "direct", False)
+    setattr(coordinator, name, counted)
 
 
 def main() -> None:
@@ -63,9 +81,12 @@ def main() -> None:
     waits, wait = [], zero3_fetch._Fetched.wait
     zero3_fetch._Fetched.wait = lambda handle, **kwargs: (waits.append(1), wait(handle, **kwargs))[1]  # counted
     counts = {}
-    for name in ("eager", "compiled", "fetched"):
+    counting(zero3_release.RELEASE, counts, "deepspeed_releases")  # DeepSpeed's own release, every run
+    for name in ("eager", "compiled", "fetched", "released"):
         before = compiled_layers.graphs()
-        tensors = train(compiled=name == "compiled", fetched=name == "fetched")
+        counts[f"deepspeed_releases_before_{name}"] = counts.get("deepspeed_releases", 0)
+        fetched, released = name in ("fetched", "released"), name == "released"
+        tensors = train(compiled=name == "compiled", fetched=fetched, released=released, counts=counts)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(args.out / f"{name}.safetensors"))
         counts[f"{name}_graphs"] = compiled_layers.graphs() - before
     (args.out / "counts.json").write_text(json.dumps({**counts, "fetches": len(waits)}))

@@ -121,7 +121,8 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     """Under ZeRO-3, which gathers each decoder layer whole before its forward and again before its backward, and
     releases it after: one rank over gloo in a process of its own (tests/helpers/compiled_zero3_worker.py), two steps
     of a tiny LoRA model with a trained head, the same losses and trained tensors compiled as eager, no graph compiled
-    again in the second step; and with zero3_fetch's fetch (no host sync) the very tensors of DeepSpeed's."""
+    again in the second step; and with zero3_fetch's fetch (no host sync) the very tensors of DeepSpeed's, and with
+    zero3_release's release as well (every release direct, none through DeepSpeed's partitioning path)."""
     import json
     import subprocess
     import sys
@@ -134,14 +135,21 @@ def test_compiled_layers_under_zero3_train_as_the_eager_ones(tmp_path):
     command = [sys.executable, "-m", "tests.helpers.compiled_zero3_worker", "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO, env=with_venv_path(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    eager, compiled, fetched = (load_file(tmp_path / f"{n}.safetensors") for n in ("eager", "compiled", "fetched"))
-    assert eager.keys() == compiled.keys() == fetched.keys()
+    runs = ("eager", "compiled", "fetched", "released")
+    eager, compiled, fetched, released = (load_file(tmp_path / f"{n}.safetensors") for n in runs)
+    assert eager.keys() == compiled.keys() == fetched.keys() == released.keys()
     assert sum("lora_" in k for k in eager) == 3 * 2 * len(TARGETS)
     for name, tensor in eager.items():
         torch.testing.assert_close(compiled[name], tensor, atol=1e-5, rtol=1e-5, msg=name)
         torch.testing.assert_close(fetched[name], tensor, atol=0, rtol=0, msg=name)  # the same tensors, no copy
+        torch.testing.assert_close(released[name], tensor, atol=0, rtol=0, msg=name)
     counts = json.loads((tmp_path / "counts.json").read_text())
     # one graph for every layer and both steps: under ZeRO-3 the first layer's input needs a gradient too
     assert counts["compiled_graphs"] == 1
     # zero3_fetch fetched every layer, the embedding and the head without DeepSpeed's handle, both steps
     assert counts["fetches"] >= 2 * 2 * 3, counts
+    # DeepSpeed released through its own path until zero3_release was installed, then never: each layer forward and
+    # backward, both steps, and the persistent tensors at each step's end, all directly
+    ours = counts["deepspeed_releases"] - counts["deepspeed_releases_before_released"]
+    assert counts["deepspeed_releases_before_fetched"] > 0 and ours == 0, counts
+    assert counts["direct_releases"] >= 2 * 2 * 3, counts
