@@ -7,7 +7,14 @@ core's fp32 peak than MKL's sgemm (figures: docs/kernels.md). bf16 matmuls alrea
 It is the same product in another summation order: outputs within fp32 rounding of MKL's, as far from an fp64
 reference (tests/unit/kernels/test_linear.py). A layer keeps what nn.Linear keeps for its backward pass (the weight, no
 activation): dX = dY W, the same matmul with the weight transposed in place. Trained layers (LoRA's A and B,
-modules_to_save) stay nn.Linear."""
+modules_to_save) stay nn.Linear.
+
+Every kernel's product goes through `matmul_nt`, which elsewhere calls ATen's linear itself: under ZeRO-3,
+DeepSpeed's zero.Init replaces `torch.nn.functional.linear` for the whole process with its memory-efficient autograd
+function (`memory_efficient_linear`), Python at every call and another kernel (matmul, not addmm). The kernels'
+products run inside autograd functions of their own, which keep what their backward needs: the wrapper only cost time
+(a ZeRO-3 step 386 -> 305 ms on a CPU rank whose arithmetic is small; docs/kernels.md), and ZeRO-3 now multiplies as
+ZeRO-2 does."""
 
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ from types import MethodType
 
 import torch
 
-# PyTorch builds without oneDNN (and so without this op) fall back to F.linear
+ATEN_LINEAR = torch._C._nn.linear  # what torch.nn.functional.linear is until DeepSpeed's ZeRO-3 replaces it
+# PyTorch builds without oneDNN (and so without this op) fall back to ATen's linear
 _MATMUL = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
@@ -25,9 +33,10 @@ def applies(weight: torch.Tensor) -> bool:
 
 
 def matmul_nt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x of any leading dimensions, without autograd: oneDNN's where it applies."""
+    """x @ weight.T (+ bias) for x of any leading dimensions, without autograd: oneDNN's where it applies, else
+    ATen's linear (never DeepSpeed's replacement of it)."""
     if not applies(weight):
-        return torch.nn.functional.linear(x, weight, bias)
+        return ATEN_LINEAR(x, weight, bias)
     return _MATMUL(x, weight, bias, "none", [], "")
 
 

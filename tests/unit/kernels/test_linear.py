@@ -68,3 +68,25 @@ def test_lora_model_trains_as_with_nn_linear():
 def test_other_dtypes_are_left_to_pytorch():
     assert cpu_linear.install(tiny_lora(torch.bfloat16)) == 0
     assert not cpu_linear.applies(torch.zeros(2, 2, dtype=torch.float16))
+
+
+def test_the_kernels_products_skip_deepspeed_s_replacement_of_linear(monkeypatch):
+    """ZeRO-3's zero.Init replaces torch.nn.functional.linear for the whole process with DeepSpeed's memory-efficient
+    autograd function; the kernels' products (inside autograd functions of their own) call ATen's linear: the same
+    values as PyTorch's linear bit for bit, and DeepSpeed's wrapper not called."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    calls = []
+
+    def replaced(*args, **kwargs):  # as zero.Init leaves it, counted
+        calls.append(1)
+        return zero3_linear_wrap(*args, **kwargs)
+
+    x, weight, bias = torch.randn(2, 3, 8), torch.randn(5, 8), torch.randn(5)
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16())
+    monkeypatch.setattr(torch.nn.functional, "linear", replaced)
+    torch.nn.functional.linear(x, weight)
+    assert calls == [1]  # the replacement is in place
+    got = cpu_linear.matmul_nt(x.bfloat16(), weight.bfloat16(), bias.bfloat16())  # bf16: not oneDNN's path here
+    assert calls == [1]
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
