@@ -61,5 +61,5 @@ def _direct_first(deepspeed_release):
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         setattr(coordinator, AVAILABLE, getattr(coordinator, AVAILABLE) - param.ds_numel)
 
-    release.direct = True
+    release.direct, release.replaced = True, deepspeed_release
     return release
