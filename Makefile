@@ -13,7 +13,7 @@ UI_STORE ?= sqlite:///mlruns.db
 UNIT_WORKERS ?= -n auto --maxprocesses 4
 INTEGRATION_WORKERS ?= -n auto --maxprocesses 4 --dist loadgroup
 
-.PHONY: help setup browser nodes run test test-fast test-unit test-times repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
+.PHONY: help setup browser nodes programs run test test-fast test-unit test-times repro-check fuzz ui report lint format params map bench scale-check gpu-check gpu-wheels lock dag clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -e 's|$$(UI_PORT)|$(UI_PORT)|g' -e 's|$$(UI_STORE)|$(UI_STORE)|g' \
@@ -51,7 +51,14 @@ nodes: ## install Debian's openssh-server, pdsh, slurm-wlm and munge for the mul
 run: setup ## run the pipeline on the embedded default (dvc repro)
 	dvc repro
 
-test: setup browser nodes ## lint, then every test: the unit tier, then the integration tier (the repro check at tiny size among them)
+# The Debian programs the tests need install beside the Python set-up (apt-get waits on the network and dpkg while
+# pip and the ops' compilers use the cores); browser then nodes, since two apt-gets cannot hold dpkg's lock at once.
+programs:
+	$(MAKE) --no-print-directory browser
+	$(MAKE) --no-print-directory nodes
+
+test: ## lint, then every test: the unit tier, then the integration tier (the repro check at tiny size among them)
+	$(MAKE) --no-print-directory -j2 setup programs
 	ruff check pipeline stages tools tests bench
 	ruff format --check pipeline stages tools tests bench
 	pytest -m "not integration" $(UNIT_WORKERS) --junitxml=test-results/unit.xml; unit=$$?; \

@@ -14,6 +14,7 @@ import torch
 
 from pipeline.data.batches import pack
 from pipeline.data.examples import IGNORE_INDEX
+from pipeline.launching.ranks import leave_process_group
 from pipeline.training.preference import Objective, pair_loss
 
 VOCAB = 96
@@ -142,6 +143,7 @@ def main() -> None:
             results.append({"kernels": kernels, **compare(name, step, plain, split, layout.group)})
     if int(os.environ["RANK"]) == 0:
         args.out.write_text(json.dumps(results, indent=1))
+    leave_process_group()  # else gloo's threads can abort a rank at the interpreter's teardown, its work done
 
 
 def partial_step(fn, batch_rows):
