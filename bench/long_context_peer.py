@@ -94,9 +94,11 @@ def main() -> None:
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     figures = {"step_seconds": timer.times, "losses": timer.losses, "peak_mb": peak_mb}
     (args.out / f"rank{rank}.json").write_text(json.dumps(figures))
-    if torch.distributed.is_initialized():  # as PyTorch asks of a script's end: left to the interpreter's teardown,
-        torch.distributed.barrier()  # gloo's threads could abort a rank whose work was done (exit -6, "terminate
-        torch.distributed.destroy_process_group()  # called without an active exception"; seen in make test)
+    # As PyTorch asks of a script's end: left to the interpreter's teardown, gloo's threads could abort a rank whose
+    # work was done (exit -6, "terminate called without an active exception"; seen in make test).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
