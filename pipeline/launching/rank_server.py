@@ -5,9 +5,11 @@ runs. Off unless `TRAIN_RANK_SERVERS` names a folder (tests/conftest.py sets it)
 A server is a rank's own process (`python -m pipeline.training.rank`, the same command line, environment and
 working folder) that stops where a rank waits for its release and forks a rank for each request instead; the forked
 rank then runs on as the one started fresh would. It serves only ranks whose every input to those imports is its
-own: the key of a server is the rank command, its environment but for the per-rank variables, the working folder and
-its `pipeline/` sources' times, this session (the process group the ranks join) and the interpreter. A launch
-with no server for its key starts its ranks fresh; the second one also starts the key's server, in the background."""
+own: the key of a server is the rank command, its environment but for what the imports never read, the contents of
+its `pipeline/` sources, this session (the process group the ranks join) and the interpreter. Not the working folder:
+every copy of the project (DVC's queued experiments run in temporary ones) shares a server, which runs from its own
+copy of the sources and hands each rank it forks the folder of its request (`rebase`). A launch with no server for its
+key starts its ranks fresh; the second one also starts the key's server, in the background."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import os
 import random
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,13 +31,15 @@ from pathlib import Path
 FOLDER = "TRAIN_RANK_SERVERS"  # where servers listen (one socket per key); unset: every rank starts fresh
 SERVE = "TRAIN_RANK_SERVE"  # in a server's environment: the socket it listens on
 # What a rank's imports never read, so that one server serves launches that differ in it: the per-rank variables,
-# the stage's pipeline execution (pipeline/tracking/execution.py), MLflow's settings (MLflow is imported after the
-# release), pytest's current test.
+# the stage's pipeline execution and a sweep's run names (pipeline/tracking/), MLflow's settings (MLflow is imported
+# after the release), pytest's current test, the shell's folder, DVC's and its queue's (Celery's) own.
 AFTER_IMPORTS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "PIPELINE_EXECUTION", "PYTEST_CURRENT_TEST")  # fmt: skip
-AFTER_IMPORTS_PREFIXES = ("MLFLOW_",)
+                 "MASTER_PORT", "PIPELINE_EXECUTION", "PIPELINE_RUN_NAME", "PIPELINE_MLFLOW_PARENT_RUN_ID",
+                 "PIPELINE_SWEPT_KEYS", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "_")  # fmt: skip
+AFTER_IMPORTS_PREFIXES = ("MLFLOW_", "DVC_", "CELERY_", "_MP_FORK_")
 MAX_SERVERS = 4  # each holds a rank's imports (about 400 MB)
 IDLE_S = 900  # a server unused this long exits, as one whose folder or owner is gone
+SOURCES = "pipeline"  # the package a rank imports from its working folder
 
 
 class Forked:
@@ -74,11 +79,19 @@ def after_imports(variable: str, *, skip: tuple[str, ...] = ()) -> bool:
 def key_inputs(command: list[str], env: dict[str, str], *, skip: tuple[str, ...] = ()) -> dict:
     """What a rank's imports depend on: everything but the variables read after them (and `skip`) and the rank's
     own arguments."""
-    cwd = Path.cwd()
-    sources = sorted((str(p), p.stat().st_mtime_ns) for p in (cwd / "pipeline").rglob("*.py"))
-    return {"command": [a for a in command if not a.startswith("--local_rank")][:3], "cwd": str(cwd),
+    return {"command": [a for a in command if not a.startswith("--local_rank")][:3],
             "env": dict(sorted((k, v) for k, v in env.items() if not after_imports(k, skip=skip))),
-            "session": os.getsid(0), "python": sys.executable, "sources": sources}  # fmt: skip
+            "session": os.getsid(0), "python": sys.executable,
+            "sources": sources_digest(Path.cwd() / SOURCES)}  # fmt: skip
+
+
+def sources_digest(folder: Path) -> str:
+    """The contents of every file under `folder` but compiled bytecode, with their paths in it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(f"{path.relative_to(folder)}\0{path.stat().st_size}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def fork(command: list[str], *, env: dict[str, str], release: tuple[str, int]) -> Forked | None:
@@ -96,8 +109,9 @@ def fork(command: list[str], *, env: dict[str, str], release: tuple[str, int]) -
         connection.connect(str(path))
     except OSError:  # none yet, or one that has ended
         connection.close()
-        if env.get("LOCAL_RANK") == "0":  # once a launch
-            start_server(path, command=command, inputs=inputs)
+        if env.get("LOCAL_RANK") == "0":  # once a launch; one that cannot start (a full disk) leaves ranks fresh
+            with contextlib.suppress(OSError):
+                start_server(path, command=command, inputs=inputs)
         return None
     request = {"argv": command[3:], "env": env, "pgid": os.getpgrp(), "cwd": str(Path.cwd()), "release": variable}
     socket.send_fds(connection, [json.dumps(request).encode()], [release_fd, 0, 1, 2])
@@ -119,10 +133,14 @@ def start_server(path: Path, *, command: list[str], inputs: dict) -> None:
     if path.with_suffix(".started").exists() or len(list(path.parent.glob("*.started"))) >= MAX_SERVERS:
         return
     path.with_suffix(".started").touch()
+    sources = path.with_suffix(".sources")  # its own copy: the first project's may be gone before the server
+    staging = path.with_suffix(f".{os.getpid()}")
+    shutil.copytree(Path.cwd() / SOURCES, staging / SOURCES, ignore=shutil.ignore_patterns("__pycache__"))
+    staging.rename(sources)
     with open(path.with_suffix(".log"), "ab") as log:
         rank_command = [a for a in command if not a.startswith("--local_rank")]
-        subprocess.Popen(rank_command, env={**inputs["env"], SERVE: str(path)}, stdin=subprocess.DEVNULL, stdout=log,
-                         stderr=log)  # fmt: skip
+        subprocess.Popen(rank_command, env={**inputs["env"], SERVE: str(path)}, cwd=sources, stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log)  # fmt: skip
 
 
 def serve(path: str) -> None:
@@ -196,6 +214,7 @@ def become_rank(request: dict, fds: list[int], connection: socket.socket) -> Non
         os.close(fd)
     with contextlib.suppress(OSError):  # with the stage's other children, as a rank it started itself
         os.setpgid(0, request["pgid"])
+    rebase(os.getcwd(), request["cwd"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -204,3 +223,27 @@ def become_rank(request: dict, fds: list[int], connection: socket.socket) -> Non
     random.seed()  # seeded from the system as a fresh interpreter's are, not shared by every rank forked
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+
+
+def rebase(server: str, folder: str) -> None:
+    """The forked rank's `pipeline` as if imported from `folder` (the same contents: they are in the key): its
+    modules' paths (its main's too), `argv[0]` and the search path name `folder` instead of the server's copy, so
+    that what it imports later and what it starts from its package's folder (the MLflow relay) come from the
+    request's project, as a fresh rank's would."""
+    sys.path[:] = [folder if entry == server else entry for entry in sys.path]
+    prefix = os.path.join(server, "")
+
+    def moved(path: str | None) -> str | None:
+        return os.path.join(folder, path[len(prefix) :]) if path and path.startswith(prefix) else path
+
+    sys.argv[0] = moved(sys.argv[0])
+    for name, module in list(sys.modules.items()):
+        if name not in ("__main__", SOURCES) and not name.startswith(f"{SOURCES}."):
+            continue
+        module.__file__ = moved(getattr(module, "__file__", None))
+        if hasattr(module, "__path__"):
+            module.__path__ = [moved(entry) for entry in module.__path__]
+        if module.__spec__ is not None:
+            module.__spec__.origin = moved(module.__spec__.origin)
+            if module.__spec__.submodule_search_locations is not None:
+                module.__spec__.submodule_search_locations = module.__path__

@@ -76,8 +76,9 @@ def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
 ):
     """The suite's launches fork their ranks from rank servers (tests/conftest.py) that did a rank's imports: here
     with servers of its own, the first launch of a key starts fresh ranks and marks it, the second starts fresh ranks
-    and the key's server, the third forks both ranks from it and trains bit for bit as the first; a rank that dies
-    of a signal gives its exit code to the stage as a fresh one does."""
+    and the key's server, the third (from another copy of the project, as DVC's queued experiments run) forks both
+    ranks from it and trains bit for bit as the first; a rank that dies of a signal gives its exit code to the stage
+    as a fresh one does."""
     from pipeline.launching import rank_server
 
     folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes (an xdist worker's is longer)
@@ -91,7 +92,12 @@ def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
         while not list(folder.glob("*.sock")):
             assert time.monotonic() < deadline, [p.read_text() for p in folder.glob("*.log")]
             time.sleep(0.5)
-        train(inputs, tiny_base_dir, tmp_path / "forked", overrides)
+        project = tmp_path / "project"
+        for part in ("pipeline", "stages"):
+            shutil.copytree(REPO / part, project / part, ignore=shutil.ignore_patterns("__pycache__"))
+        forked = train_command(inputs, tiny_base_dir, tmp_path / "forked", overrides)
+        done = subprocess.run(forked, cwd=project, env=env(), capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         (log,) = folder.glob("*.log")
         assert log.read_text().count(" forked, --plan ") == 2, log.read_text()
         assert losses(tmp_path / "forked") == losses(tmp_path / "first")
