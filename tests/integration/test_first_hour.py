@@ -4,6 +4,7 @@ quiet output, and no silent hang after a launch killed while DeepSpeed built its
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -137,24 +139,43 @@ def test_report_fits_a_terminal(repo, own_run):
     assert any(line.startswith("merge proof: max |logit diff|") for line in lines)
 
 
+def compilers_in(folder: Path, *, launch: int) -> list[psutil.Process]:
+    """The processes working in `folder` outside the process group `launch` (ninja runs each compile in a group of
+    its own, so killing a launch's group leaves its compilers running to their end)."""
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if Path(process.cwd()).resolve().is_relative_to(folder) and os.getpgid(process.pid) != launch:
+                found.append(process)
+    return found
+
+
 def test_a_launch_killed_while_building_ops_leaves_no_hang(tmp_path):
-    """SIGKILL a process in the middle of DeepSpeed's JIT build of its CPU all-reduce op: the lock it leaves is found
-    stale and removed before the next launch, which then builds and loads the op."""
+    """SIGKILL a process in the middle of DeepSpeed's JIT build of its CPU all-reduce op: the lock it leaves is kept
+    while the compilers it started still work in the build folder (stopped here, so that they cannot finish first),
+    found stale and removed once they are gone, and the next launch then builds and loads the op."""
     env = {**with_venv_path(), "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
     build = "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load(verbose=False)"
     process = subprocess.Popen([sys.executable, "-c", build], env=env, start_new_session=True)
-    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    folder = tmp_path / "deepspeed_shm_comm"
     deadline = time.monotonic() + 120
-    while not lock.exists():
+    while not compilers_in(folder, launch=process.pid):
         assert process.poll() is None and time.monotonic() < deadline, "the build never started"
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    time.sleep(1)
-    assert lock.exists(), "the killed build left its lock"
-    deadline = time.monotonic() + 60  # a killed compiler under load can take a while to leave the build folder
-    while not (removed := clear_stale_build_locks(tmp_path, older_than=0)) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert removed == [lock]
+    compilers = compilers_in(folder, launch=process.pid)
+    for compiler in compilers:
+        compiler.suspend()
+    try:
+        assert (folder / "lock").exists(), "the killed build left its lock"
+        assert compilers, "no compiler outlived the launch"
+        assert clear_stale_build_locks(tmp_path, older_than=0) == [], "a lock removed while its compilers work"
+    finally:
+        for compiler in compilers:
+            with contextlib.suppress(psutil.Error):
+                compiler.kill()
+        psutil.wait_procs(compilers, timeout=60)
+    assert clear_stale_build_locks(tmp_path, older_than=0) == [folder / "lock"]
     done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
