@@ -7,6 +7,10 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import psutil
 
 
 def extensions_dir() -> Path:
@@ -33,26 +37,28 @@ def clear_stale_build_locks(folder: Path | None = None, older_than: float = 30.0
     process works in its build folder (the compiler runs there)."""
     import time
 
-    import psutil
-
     removed = []
     for lock in (folder or extensions_dir()).glob("*/lock"):
-        if time.time() - lock.stat().st_mtime < older_than:
+        if time.time() - lock.stat().st_mtime < older_than or working_in(lock.parent.resolve()):
             continue
-        build = lock.parent.resolve()
-        busy = False
-        for process in psutil.process_iter():
-            try:
-                busy = Path(process.cwd()).resolve().is_relative_to(build)
-            except (psutil.Error, OSError):
-                continue
-            if busy:
-                break
-        if not busy:
-            lock.unlink(missing_ok=True)
-            print(f"note: removed {lock}, left by a DeepSpeed op build that was killed", file=sys.stderr)
-            removed.append(lock)
+        lock.unlink(missing_ok=True)
+        print(f"note: removed {lock}, left by a DeepSpeed op build that was killed", file=sys.stderr)
+        removed.append(lock)
     return removed
+
+
+def working_in(folder: Path) -> list[psutil.Process]:
+    """The living processes (psutil's) whose working folder is `folder` or below it."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if Path(process.cwd()).resolve().is_relative_to(folder):
+                found.append(process)
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def free_port() -> int:

@@ -67,11 +67,18 @@ def env() -> dict:
 
 
 def train(
-    inputs: Path, base: Path, out: Path, overrides: list[str], check: bool = True, extra: tuple[str, ...] = ()
+    inputs: Path,
+    base: Path,
+    out: Path,
+    overrides: list[str],
+    check: bool = True,
+    extra: tuple[str, ...] = (),
+    cwd: Path = REPO,
 ) -> subprocess.CompletedProcess:
-    """The train stage as a process (its own params.yaml under `out`); `extra`: more stage arguments."""
+    """The train stage as a process (its own params.yaml under `out`) run in `cwd` (a copy of the project's code:
+    its `stages` and `pipeline` are the ones imported); `extra`: more stage arguments."""
     args = [*train_command(inputs, base, out, overrides), *extra]
-    done = subprocess.run(args, cwd=REPO, env=env(), capture_output=True, text=True)
+    done = subprocess.run(args, cwd=cwd, env=env(), capture_output=True, text=True)
     if check and done.returncode:
         raise AssertionError(f"train exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
     return done

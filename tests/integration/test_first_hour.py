@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline.core.atomic import read_json
-from pipeline.core.environment import clear_stale_build_locks, with_venv_path
+from pipeline.core.environment import clear_stale_build_locks, with_venv_path, working_in
 from tools.repro_check import GIT, copy_project, sh
 
 pytestmark = pytest.mark.integration
@@ -143,9 +143,9 @@ def compilers_in(folder: Path, *, launch: int) -> list[psutil.Process]:
     """The processes working in `folder` outside the process group `launch` (ninja runs each compile in a group of
     its own, so killing a launch's group leaves its compilers running to their end)."""
     found = []
-    for process in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if Path(process.cwd()).resolve().is_relative_to(folder) and os.getpgid(process.pid) != launch:
+    for process in working_in(folder):
+        with contextlib.suppress(OSError):
+            if os.getpgid(process.pid) != launch:
                 found.append(process)
     return found
 
