@@ -14,6 +14,7 @@ Variants (`--variants`, in this order by default):
 - zero3: the defaults under ZeRO-3 (LoRA's tensors kept whole, a layer prefetched);
 - zero3_no_fetch: zero3 without kernels/zero3_fetch (DeepSpeed's own fetch: its effect measured in the same call);
 - zero3_no_release: zero3 without kernels/zero3_release (DeepSpeed's own release, measured the same way);
+- zero3_no_flags: zero3 without kernels/zero3_flags (DeepSpeed's walk of the modules at each forward);
 - dpo: DPO (reference precomputed) on pairs of two 2,048-token sides, the LM step's 4,096 tokens a step;
 - nemo: NeMo AutoModel's published shape (micro-batch 2 x 4,096, 16 micro-batches a step), 3 steps;
 - eager: transformers + PEFT's own loop (SDPA, torch's fused AdamW), checkpointing off.
@@ -62,6 +63,7 @@ VARIANTS = {  # name: (overrides, data: lm | dpo)
     "zero3": (["deepspeed=zero3"], "lm"),
     "zero3_no_fetch": (["deepspeed=zero3", "train.kernels_skip=[zero3_fetch]"], "lm"),
     "zero3_no_release": (["deepspeed=zero3", "train.kernels_skip=[zero3_release]"], "lm"),
+    "zero3_no_flags": (["deepspeed=zero3", "train.kernels_skip=[zero3_flags]"], "lm"),
     "dpo": (["train.objective=dpo", "train.reference=precomputed", "train.beta=0.1"], "dpo"),
     "nemo": (["train.micro_batch_size=2", "train.gradient_accumulation_steps=16", "train.global_batch_size=32"], "lm"),
 }
@@ -73,6 +75,7 @@ ALL = (
     "zero3",
     "zero3_no_fetch",
     "zero3_no_release",
+    "zero3_no_flags",
     "dpo",
     "low_memory",
     "nemo",

@@ -7,7 +7,8 @@ CPU time of one thread per step, in blocks of steps. This machine's speed moves 
 
 - `zero3_release`: kernels/zero3_release.py's release against DeepSpeed's own;
 - `aten_linear`: the kernels' products through ATen's linear against `torch.nn.functional.linear` (DeepSpeed's
-  replacement of it under ZeRO-3).
+  replacement of it under ZeRO-3);
+- `zero3_flags`: kernels/zero3_flags.py's forward flags set through a list against DeepSpeed's walk of the modules.
 
     python -m tools.host_step [--stage 3] [--compare zero3_release] [--rounds 16] [--steps 5] [--layers 32]
 
@@ -25,7 +26,8 @@ import time
 
 import torch
 
-COMPARED = ("zero3_release", "aten_linear")
+COMPARED = ("zero3_release", "aten_linear", "zero3_flags")
+NEEDS_ZERO3 = ("zero3_release", "zero3_flags")
 TOKENS = 32
 
 
@@ -60,11 +62,27 @@ def engine_for(*, stage: int, layers: int, width: int):
     return engine
 
 
-def switch(name: str, calls: list):
+def switch(name: str, calls: list, engine):
     """`set(on)`: the change `name` in place (on) or not; each call of the replaced function appends to `calls`."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as coordinator
 
-    from pipeline.kernels import linear, zero3_release
+    from pipeline.kernels import linear, zero3_flags, zero3_release
+
+    if name == "zero3_flags":
+        deepspeed_prologue = type(engine)._forward_prologue
+
+        def counted_prologue(*args):
+            calls.append(1)
+            return deepspeed_prologue(engine, *args)
+
+        def set_flags(on: bool) -> None:
+            zero3_flags.uninstall(engine)
+            if on:
+                zero3_flags.install(engine)
+            else:
+                engine._forward_prologue = counted_prologue
+
+        return set_flags
 
     if name == "zero3_release":
         ours = getattr(coordinator, zero3_release.RELEASE)
@@ -106,7 +124,7 @@ def measure(*, stage: int, layers: int, width: int, rounds: int, steps: int, com
     block(engine, ids, 2)  # warm-up
     sides = ("with", "without") if compare else ("as installed",)
     calls = {side: [] for side in sides}
-    toggles = {side: switch(compare, calls[side]) for side in sides} if compare else {}
+    toggles = {side: switch(compare, calls[side], engine) for side in sides} if compare else {}
     times = {side: [] for side in sides}
     for _ in range(rounds):
         for side in sides:
@@ -132,8 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args(argv)
-    if args.compare == "zero3_release" and args.stage != 3:
-        parser.error("--compare zero3_release needs --stage 3")
+    if args.compare in NEEDS_ZERO3 and args.stage != 3:
+        parser.error(f"--compare {args.compare} needs --stage 3")
     from pipeline.kernels import linear
 
     linear._MATMUL = None  # a GPU's products: ATen's, not oneDNN's CPU path

@@ -19,6 +19,8 @@ the rank trains on. Each module replaces a forward of the stock model with one c
   DeepSpeed's host sync (any device).
 - `zero3_release`: ZeRO-3's release of a gathered parameter whose partition is kept, without DeepSpeed's
   partitioning path and its debug messages (any device).
+- `zero3_flags`: ZeRO-3's "in a forward pass" flag of each module set through a list read once, not by walking the
+  module tree twice a step (any device).
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
   (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
 - `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
@@ -50,12 +52,13 @@ MODULES = {  # imported only when chosen
     "zero3_lists": "pipeline.kernels.zero3_lists",
     "zero3_fetch": "pipeline.kernels.zero3_fetch",
     "zero3_release": "pipeline.kernels.zero3_release",
+    "zero3_flags": "pipeline.kernels.zero3_flags",
 }
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
 # installed on the engine DeepSpeed built (tune_engine), on any device
-ENGINE = ("zero_tail", "zero3_lists", "zero3_fetch", "zero3_release")
+ENGINE = ("zero_tail", "zero3_lists", "zero3_fetch", "zero3_release", "zero3_flags")
 
 
 def _checked(enabled: str, skip: tuple[str, ...]) -> None:

@@ -14,7 +14,7 @@ from tests.conftest import REPO
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", ["zero3_release", "aten_linear"])
+@pytest.mark.parametrize("change", ["zero3_release", "aten_linear", "zero3_flags"])
 def test_each_change_is_switched_between_the_blocks(change):
     command = [sys.executable, "-m", "tools.host_step", "--layers", "2", "--rounds", "2", "--steps", "1"]
     done = subprocess.run([*command, "--compare", change], cwd=REPO, env=with_venv_path(), capture_output=True,
@@ -24,8 +24,9 @@ def test_each_change_is_switched_between_the_blocks(change):
     assert figures["compare"] == change and figures["stage"] == 3
     assert all(len(figures["ms_a_step"][side]) == 2 for side in ("with", "without"))
     assert all(value > 0 for side in ("with", "without") for value in figures["ms_a_step"][side])
-    # the replaced function ran only on the side without the change: every release, or every product of the kernels
-    assert figures["calls"]["with"] == 0 and figures["calls"]["without"] >= 2 * 2, figures["calls"]
+    # the replaced function ran only on the side without the change: every release, every product of the kernels,
+    # or every forward's walk over the modules
+    assert figures["calls"]["with"] == 0 and figures["calls"]["without"] >= 2, figures["calls"]  # 2 blocks of 1 step
 
 
 def test_a_comparison_that_needs_zero3_is_refused_by_name():
