@@ -24,9 +24,13 @@ def test_each_change_is_switched_between_the_blocks(change):
     assert figures["compare"] == change and figures["stage"] == 3
     assert all(len(figures["ms_a_step"][side]) == 2 for side in ("with", "without"))
     assert all(value > 0 for side in ("with", "without") for value in figures["ms_a_step"][side])
-    # the replaced function ran only on the side without the change: every release, every product of the kernels,
-    # or every forward's walk over the modules
-    assert figures["calls"]["with"] == 0 and figures["calls"]["without"] >= 2, figures["calls"]  # 2 blocks of 1 step
+    # the replaced function ran only on the side without the change: every release or every product of the kernels
+    # (several a step), or DeepSpeed's walk over the modules (once a step: 2 blocks of 1 step)
+    assert figures["calls"]["with"] == 0, figures["calls"]
+    if change == "zero3_flags":
+        assert figures["calls"]["without"] == 2, figures["calls"]
+    else:
+        assert figures["calls"]["without"] >= 2 * 2, figures["calls"]
 
 
 def test_a_comparison_that_needs_zero3_is_refused_by_name():
