@@ -9,7 +9,8 @@ own: the key of a server is the rank command, its environment but for what the i
 its `pipeline/` sources, this session (the process group the ranks join) and the interpreter. Not the working folder:
 every copy of the project (DVC's queued experiments run in temporary ones) shares a server, which runs from its own
 copy of the sources and hands each rank it forks the folder of its request (`rebase`). A launch with no server for its
-key starts its ranks fresh; the second one also starts the key's server, in the background."""
+key starts its ranks fresh; the second one also starts the key's server, in the background (MAX_SERVERS at
+most at once: one that idles out gives its place back, and its key gets a server again at its next launch)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ AFTER_IMPORTS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
                  "PIPELINE_SWEPT_KEYS", "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "_")  # fmt: skip
 AFTER_IMPORTS_PREFIXES = ("MLFLOW_", "DVC_", "CELERY_", "_MP_FORK_")
 MAX_SERVERS = 4  # each holds a rank's imports (about 400 MB)
-IDLE_S = 900  # a server unused this long exits, as one whose folder or owner is gone
+IDLE_S = 300  # a server unused this long exits (its place goes to another key), as one whose folder or owner is gone
+POLL_S = 5.0  # how often a waiting server looks at its idle time, folder and owner
 SOURCES = "pipeline"  # the package a rank imports from its working folder
 
 
@@ -124,23 +126,58 @@ def fork(command: list[str], *, env: dict[str, str], release: tuple[str, int]) -
 
 
 def start_server(path: Path, *, command: list[str], inputs: dict) -> None:
-    """The server of a key seen for the second time, in the background (its first launch writes down its inputs,
-    `KEY.json`, to tell why two launches do not share a server)."""
+    """The server of a key seen for the second time, in the background, unless the key has one running or
+    MAX_SERVERS run (a server that ends withdraws its marks, so a key whose server idled out gets one again). The
+    first launch of a key writes down its inputs, `KEY.json`, to tell why two launches do not share a server."""
     seen = path.with_suffix(".json")
     if not seen.exists():
         seen.write_text(json.dumps({**inputs, "sources": len(inputs["sources"])}, indent=1))
         return
-    if path.with_suffix(".started").exists() or len(list(path.parent.glob("*.started"))) >= MAX_SERVERS:
+    mark = path.with_suffix(".started")
+    if sum(running(other) for other in path.parent.glob("*.started")) >= MAX_SERVERS:
         return
-    path.with_suffix(".started").touch()
-    sources = path.with_suffix(".sources")  # its own copy: the first project's may be gone before the server
-    staging = path.with_suffix(f".{os.getpid()}")
-    shutil.copytree(Path.cwd() / SOURCES, staging / SOURCES, ignore=shutil.ignore_patterns("__pycache__"))
-    staging.rename(sources)
-    with open(path.with_suffix(".log"), "ab") as log:
-        rank_command = [a for a in command if not a.startswith("--local_rank")]
-        subprocess.Popen(rank_command, env={**inputs["env"], SERVE: str(path)}, cwd=sources, stdin=subprocess.DEVNULL,
-                         stdout=log, stderr=log)  # fmt: skip
+    if mark.exists() and not running(mark):  # one that died without withdrawing (killed)
+        mark.unlink(missing_ok=True)
+    try:
+        claim = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # one launch starts it, not two at once
+    except FileExistsError:
+        return
+    os.write(claim, str(os.getpid()).encode())  # this launch's pid until the server's: stale if the launch dies
+    os.close(claim)
+    try:
+        sources = path.with_suffix(".sources")  # its own copy (the first project's may be gone), kept for a restart
+        if not sources.exists():
+            staging = path.with_suffix(f".{os.getpid()}")
+            shutil.copytree(Path.cwd() / SOURCES, staging / SOURCES, ignore=shutil.ignore_patterns("__pycache__"))
+            staging.rename(sources)
+        with open(path.with_suffix(".log"), "ab") as log:
+            rank_command = [a for a in command if not a.startswith("--local_rank")]
+            server = subprocess.Popen(rank_command, env={**inputs["env"], SERVE: str(path)}, cwd=sources,
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
+        staging = path.with_suffix(f".{os.getpid()}.mark")
+        staging.write_text(str(server.pid))
+        os.replace(staging, mark)
+    except BaseException:
+        mark.unlink(missing_ok=True)
+        raise
+
+
+def running(mark: Path) -> bool:
+    """Whether the server of a `.started` mark runs (or is being started): the mark holds its pid (the starting
+    launch's, until the server's replaces it; nothing for the instant between its creation and the first)."""
+    try:
+        pid = mark.read_text()
+        if pid:
+            os.kill(int(pid), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def withdraw(path: Path) -> None:
+    """A server that ends: first its socket (no request connects any more), then its pid and its mark."""
+    for suffix in (".sock", ".pid", ".started"):
+        path.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def serve(path: str) -> None:
@@ -154,13 +191,18 @@ def serve(path: str) -> None:
     listener.listen(8)
     Path(path).with_suffix(".pid").write_text(str(os.getpid()))
     os.replace(staging, path)  # the socket appears ready to accept
-    listener.settimeout(5.0)
+    listener.settimeout(POLL_S)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the monitors are reaped as they end
     last = time.monotonic()
-    while owner_alive(Path(path).parent) and time.monotonic() - last < IDLE_S:
+    while True:
+        if listener.gettimeout() and not (owner_alive(Path(path).parent) and time.monotonic() - last < IDLE_S):
+            withdraw(Path(path))
+            listener.settimeout(0)  # a request that connected before is still served, then the server ends
         try:
             connection, _ = listener.accept()
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
+            if listener.gettimeout() == 0:
+                break
             continue
         last = time.monotonic()
         connection.settimeout(10)

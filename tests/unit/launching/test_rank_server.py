@@ -1,14 +1,20 @@
 """A rank server's key is what a rank's imports read (the sources' contents, not the project folder they are in, nor
-DVC's or a sweep's variables), and a rank it forks imports from its own request's folder, as a fresh rank would."""
+DVC's or a sweep's variables), a rank it forks imports from its own request's folder, as a fresh rank would, and a
+server that ends gives its place back (the forks themselves: tests/integration/test_train.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from pipeline.launching import rank_server
 from pipeline.launching.rank_server import SOURCES, key_inputs
 from tests.conftest import REPO
 
@@ -55,3 +61,54 @@ def test_a_forked_rank_imports_from_its_request_folder_once_the_server_copy_is_g
     assert done.returncode == 0, done.stderr
     for path in json.loads(done.stdout):
         assert Path(path).is_relative_to(request), path
+
+
+# A server without a rank's imports (what it serves is the same), idling out within a second
+SERVER = [sys.executable, "-c", "import os; from pipeline.launching import rank_server as r;"
+          " r.IDLE_S, r.POLL_S = 1, 0.1; r.serve(os.environ[r.SERVE])"]  # fmt: skip
+
+
+def test_a_server_that_ends_gives_its_place_back_and_its_key_gets_one_again(tmp_path, tmp_path_factory, monkeypatch):
+    """The second launch of a key starts its server, up to MAX_SERVERS running at once; one that idles out withdraws
+    its socket, pid and mark, so that a waiting key gets the place and its own key a server again (from the copy of
+    the sources it kept); one killed without withdrawing is replaced."""
+    folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes
+    monkeypatch.chdir(copy_sources(tmp_path / "project"))
+    monkeypatch.setattr(rank_server, "MAX_SERVERS", 1)
+    inputs = {"env": dict(os.environ), "sources": "digest"}
+    first, second = folder / "first.sock", folder / "second.sock"
+
+    def launch(path: Path) -> None:
+        rank_server.start_server(path, command=SERVER, inputs=inputs)
+
+    def wait(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, (what, sorted(p.name for p in folder.iterdir()))
+            time.sleep(0.05)
+
+    def serving(path: Path) -> bool:
+        with socket.socket(socket.AF_UNIX) as client:
+            return client.connect_ex(str(path)) == 0
+
+    launch(first)
+    assert not first.with_suffix(".started").exists(), "a key seen once has no server"
+    launch(first)
+    wait(lambda: serving(first), "the first key's server")
+    copied = (first.with_suffix(".sources") / SOURCES).stat().st_ino
+    launch(second)
+    launch(second)
+    assert not second.with_suffix(".started").exists(), "one server at most"
+    wait(lambda: not any(first.with_suffix(s).exists() for s in (".sock", ".pid", ".started")), "the first withdrawn")
+    launch(second)
+    wait(lambda: serving(second), "the second key's server in the place given back")
+    launch(first)
+    assert not first.with_suffix(".started").exists(), "one server at most"
+    pid = int(second.with_suffix(".pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)  # as the stage that started it would reap it (or init, once the stage is gone)
+    assert second.with_suffix(".started").exists(), "killed: nothing withdrawn"
+    launch(first)
+    wait(lambda: serving(first), "the first key's server again, in the place of the killed one")
+    assert (first.with_suffix(".sources") / SOURCES).stat().st_ino == copied, "its copy of the sources again"
+    wait(lambda: not first.with_suffix(".started").exists(), "the first withdrawn again")
