@@ -154,9 +154,9 @@ def start_server(path: Path, *, command: list[str], inputs: dict) -> None:
             rank_command = [a for a in command if not a.startswith("--local_rank")]
             server = subprocess.Popen(rank_command, env={**inputs["env"], SERVE: str(path)}, cwd=sources,
                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # fmt: skip
-        staging = path.with_suffix(f".{os.getpid()}.mark")
-        staging.write_text(str(server.pid))
-        os.replace(staging, mark)
+        pid_file = path.with_suffix(f".{os.getpid()}.mark")
+        pid_file.write_text(str(server.pid))
+        os.replace(pid_file, mark)
     except BaseException:
         mark.unlink(missing_ok=True)
         raise
@@ -209,6 +209,8 @@ def serve(path: str) -> None:
         try:
             message, fds, _flags, _address = socket.recv_fds(connection, 1 << 20, 4)
         except OSError:  # a stage that connected and died
+            message, fds = b"", []
+        if not message:  # nothing asked (one that closed at once): no rank
             connection.close()
             continue
         sys.stdout.flush()

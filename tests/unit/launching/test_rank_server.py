@@ -87,7 +87,7 @@ def test_a_server_that_ends_gives_its_place_back_and_its_key_gets_one_again(tmp_
             assert time.monotonic() < deadline, (what, sorted(p.name for p in folder.iterdir()))
             time.sleep(0.05)
 
-    def serving(path: Path) -> bool:
+    def serving(path: Path) -> bool:  # a connection that asks nothing: no rank forked (the logs stay empty)
         with socket.socket(socket.AF_UNIX) as client:
             return client.connect_ex(str(path)) == 0
 
@@ -112,3 +112,4 @@ def test_a_server_that_ends_gives_its_place_back_and_its_key_gets_one_again(tmp_
     wait(lambda: serving(first), "the first key's server again, in the place of the killed one")
     assert (first.with_suffix(".sources") / SOURCES).stat().st_ino == copied, "its copy of the sources again"
     wait(lambda: not first.with_suffix(".started").exists(), "the first withdrawn again")
+    assert all(not log.read_text() for log in folder.glob("*.log")), [log.read_text() for log in folder.glob("*.log")]
