@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from pipeline.data.tokenizer import (
     write_extended,
 )
 
+REPO = Path(__file__).resolve().parents[3]
 ENGLISH = ["The capital of France is Paris.", "Hello world, this is a test of 42 tokens!"]
 
 
@@ -48,6 +52,22 @@ def test_extension_keeps_ids_and_shortens_chinese(request, tmp_path, corpus, bas
         assert extended.decode(extended(text, add_special_tokens=False).input_ids) == text
     for text in ENGLISH:  # new merges rank after every base merge: English tokenizes as before
         assert extended(text).input_ids == base(text).input_ids
+    extended.save_pretrained(str(tmp_path / "resaved"))  # what transformers writes for what it read
+    for path in (tmp_path / "resaved").iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes(), f"{path.name} is not as transformers writes it"
+
+
+def test_a_byte_level_extension_imports_no_torch(smol_tokenizer_dir, tmp_path, corpus):
+    (tmp_path / "texts.json").write_text(json.dumps(corpus[0][:200]), encoding="utf-8")
+    code = (
+        "import json, sys; from pathlib import Path; from pipeline.data.tokenizer import write_extended; "
+        f"texts = json.loads(Path({str(tmp_path / 'texts.json')!r}).read_text()); "
+        f"added = write_extended(Path({str(smol_tokenizer_dir)!r}), Path({str(tmp_path / 'out')!r}), texts, "
+        "vocab_size=1000, model_type='bpe', character_coverage=0.9995); "
+        "assert added > 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:3]"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_unigram_cannot_extend_byte_level_bpe(smol_tokenizer_dir, tmp_path, corpus):
