@@ -2,7 +2,8 @@
 MLflow and opened the store, so that a stage pays neither (about 3 s of CPU and 200 MB each, against a data
 stage's 2 s: docs/tracking.md). The relay runs the same `open_run` and `Tracker` methods a stage would run; their
 warnings come back to the stage, which prints them. It exits after IDLE_S seconds without a call
-(`PIPELINE_MLFLOW_RELAY=SECONDS` sets them), or when its store file is replaced. Where no relay can start, or with
+(`PIPELINE_MLFLOW_RELAY=SECONDS` sets them; a stage whose work outlasts them starts it again at its next call), or
+when its store file is replaced. Where no relay can start, or with
 `PIPELINE_MLFLOW_RELAY=off`, the stage calls MLflow itself. The relay's socket and log are in
 $TMPDIR/pipeline-mlflow-relay-UID/."""
 
@@ -79,7 +80,7 @@ class Relayed(Tracker):
         if self.disabled or self.closed:
             return
         request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "argument": argument}
-        answer = _ask(self.client, request)
+        answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri))  # it idled out: started again
         if answer is None or answer.get("stale"):
             mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", ConnectionError("relay gone"))
             self.client = None

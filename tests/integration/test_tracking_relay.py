@@ -1,7 +1,7 @@
 """The MLflow relay (pipeline/tracking/relay.py): a stage's params, tags, figures and end reach the store as they do
 when the stage calls MLflow itself, without MLflow imported in the stage; failures warn in the stage once; the relay
-ends when idle or when its store is replaced, and is not used where switched off (a failing call through it:
-unit/tracking/test_tracking.py)."""
+ends when idle (a stage calling after that starts it again) or when its store is replaced, and is not used where
+switched off (a failing call through it: unit/tracking/test_tracking.py)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_a_stage_logging_through_the_relay_never_imports_mlflow(tmp_path: Path):
     assert logged["params"] == {"a": "1"} and logged["loss"] == [(1, 2.0)] and logged["status"] == "FINISHED"
 
 
-def test_the_relay_ends_when_idle_and_leaves_a_replaced_store_to_the_stage(
+def test_the_relay_ends_when_idle_comes_back_for_a_late_call_and_leaves_a_replaced_store_to_the_stage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setenv(SWITCH, "2")
@@ -107,6 +107,18 @@ def test_the_relay_ends_when_idle_and_leaves_a_replaced_store_to_the_stage(
     tracker.log_params({"after": "replaced"})
     tracker.close()
     assert content(database, tracker.run_id)["params"] == {"after": "replaced"}
+    relay.wait(timeout=30)
+
+    tracker = open_relayed(**kwargs, execution="d")
+    tracker.log_params({"before": "idle"})
+    (relay,) = relays(database)
+    relay.wait(timeout=30)
+    tracker.log_metrics({"loss": 1.5}, step=3)  # a stage whose work outlasted the relay's idle time
+    tracker.close()
+    assert type(tracker) is not Tracker and not tracker.disabled, "the call started the relay again"
+    logged = content(database, tracker.run_id)
+    assert logged["params"] == {"before": "idle"} and logged["loss"] == [(3, 1.5)] and logged["status"] == "FINISHED"
+    (relay,) = relays(database)
     relay.wait(timeout=30)
 
 
