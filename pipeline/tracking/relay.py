@@ -80,7 +80,10 @@ class Relayed(Tracker):
         if self.disabled or self.closed:
             return
         request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "argument": argument}
-        answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri))  # it idled out: started again
+        try:
+            answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri))  # it idled out: started again
+        except OSError:  # none can start again (its folder, the start's lock): as one gone, never the stage's end
+            answer = None
         if answer is None or answer.get("stale"):
             mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", ConnectionError("relay gone"))
             self.client = None

@@ -247,6 +247,26 @@ def test_failing_call_disables_tracking_with_one_warning(opener, tmp_path: Path,
     assert run.info.status == "RUNNING"  # nothing reaches MLflow after the failure
 
 
+def test_a_relay_that_cannot_start_again_warns_once_and_never_fails_the_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+):
+    """A call after the relay idled out starts it again (tests/integration/test_tracking_relay.py); where it cannot
+    (here another process holds the start's lock past START_S), the stage warns once and goes on untracked."""
+    from filelock import FileLock
+
+    from pipeline.tracking import relay
+
+    monkeypatch.setattr(relay, "START_S", 0.2)
+    tracker = Relayed(address=tmp_path / "gone.sock", run_id="0" * 32, uri=f"sqlite:///{tmp_path}/mlruns.db")
+    with FileLock(tmp_path / "starting.lock"):
+        tracker.log_metrics({"loss": 1.0}, step=1)
+        tracker.close()
+    assert tracker.disabled
+    err = capfd.readouterr().err
+    warning = f"tracking: log_series on sqlite:///{tmp_path}/mlruns.db failed (ConnectionError: relay gone)"
+    assert err.splitlines() == [f"{warning}; going on without MLflow"], err
+
+
 def test_context_manager_marks_failed_run():
     with pytest.raises(RuntimeError), open_run(URI, "lora", Path("run.json")) as tracker:
         raise RuntimeError("out of memory")
