@@ -24,12 +24,9 @@ def stage_name() -> str:
     return os.environ.get("DVC_STAGE") or Path(sys.argv[0]).stem
 
 
-def pipeline_run(cfg: config.Config, run_id_file: Path, *, relayed: bool = False) -> Tracker:
-    """The pipeline execution's MLflow run, as `cfg.tracking` names it (opened, or joined; `relayed`: through the
-    store's relay, for a stage that logs params, tags and figures only)."""
-    return execution.pipeline_run(
-        uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_id_file=run_id_file, relayed=relayed
-    )
+def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
+    """The pipeline execution's MLflow run, as `cfg.tracking` names it (opened, or joined)."""
+    return execution.pipeline_run(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_id_file=run_id_file)
 
 
 def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) -> None:
@@ -48,7 +45,7 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
         if prefix is None:
             main(args, cfg)
             return
-        with pipeline_run(cfg, args.run_id_file, relayed=True) as tracker:
+        with pipeline_run(cfg, args.run_id_file) as tracker:
             name = announce(tracker, args.params)
             start = time.perf_counter()
             figures = main(args, cfg) or {}

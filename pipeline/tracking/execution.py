@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.tracking.mlflow_run import Tracker, open_run
+from pipeline.tracking.mlflow_run import Tracker
 from pipeline.tracking.relay import open_relayed
 from pipeline.tracking.runs_view import run_name
 
@@ -38,12 +38,12 @@ def workspace() -> Path:
     return Path(os.environ.get("DVC_ROOT") or Path.cwd())
 
 
-def pipeline_run(*, uri: str, experiment: str, run_id_file: Path, relayed: bool = False) -> Tracker:
+def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
     """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
-    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace.
-    `relayed`: params, tags, metrics and the end go through the store's relay (`relay`), not MLflow imported here."""
+    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace. The
+    calls go through the store's relay (`relay`), without MLflow imported here, where the store is a SQLite file."""
     os.environ[EXECUTION_ENV] = execution = execution_id()
-    return (open_relayed if relayed else open_run)(
+    return open_relayed(
         uri=uri,
         experiment=experiment,
         run_id_file=run_id_file,

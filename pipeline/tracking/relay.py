@@ -1,7 +1,8 @@
 """A stage's MLflow calls through the store's relay: one background process per SQLite store that has imported
 MLflow and opened the store, so that a stage pays neither (about 3 s of CPU and 200 MB each, against a data
-stage's 2 s: docs/tracking.md). The relay runs the same `open_run` and `Tracker` methods a stage would run; their
-warnings come back to the stage, which prints them. It exits after IDLE_S seconds without a call
+stage's 2 s: docs/tracking.md). The relay runs the same `open_run` and `Tracker` methods a stage would run, every
+one of them (the track stage's reads, artifacts and registration too); their results and warnings come back to the
+stage, which prints the warnings. It exits after IDLE_S seconds without a call
 (`PIPELINE_MLFLOW_RELAY=SECONDS` sets them; a stage whose work outlasts them starts it again at its next call), or
 when its store file is replaced. Where no relay can start, or with
 `PIPELINE_MLFLOW_RELAY=off`, the stage calls MLflow itself. The relay's socket and log are in
@@ -31,7 +32,11 @@ SWITCH = "PIPELINE_MLFLOW_RELAY"  # "off": every stage calls MLflow itself; a nu
 IDLE_S = 30.0
 START_S = 60.0  # how long a stage waits for a relay to open its store before calling MLflow itself
 REPLY_S = 120.0  # a call's longest wait (a locked SQLite store is retried for mlflow_run.LOCK_PATIENCE_S)
-RELAYED = ("log_params", "set_tags", "log_series", "close")  # what a stage's Tracker sends; the rest stays local
+RELAYED = (  # the Tracker methods a relayed one sends (describe and log_metrics call set_tags and log_series)
+    "log_params", "set_tags", "log_series", "log_artifact", "logged", "logged_steps", "tag_experiment", "log_datasets",
+    "register_model", "close",
+)  # fmt: skip
+COPIES = ("log_artifact",)  # as long as the files take to copy: no reply time limit (a relay that dies ends it)
 
 
 def open_relayed(**kwargs: Any) -> Tracker:
@@ -71,24 +76,47 @@ class Relayed(Tracker):
     def log_series(self, series) -> None:
         self._send("log_series", {k: [[int(s), float(v)] for s, v in by_step.items()] for k, by_step in series.items()})
 
+    def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
+        self._send("log_artifact", str(Path(path).resolve()), artifact_path)  # the relay runs in another folder
+
+    def logged(self) -> tuple[dict[str, float], dict[str, str]]:
+        metrics, tags = self._send("logged") or ({}, {})
+        return metrics, tags
+
+    def logged_steps(self, key: str) -> set[int]:
+        return set(self._send("logged_steps", key) or ())
+
+    def tag_experiment(self, tags) -> None:
+        self._send("tag_experiment", {k: str(v) for k, v in tags.items()})
+
+    def log_datasets(self, datasets: list[dict[str, str]]) -> None:
+        self._send("log_datasets", datasets)
+
+    def register_model(self, name: str, artifact_path: str) -> str | None:
+        return self._send("register_model", name, artifact_path)
+
     def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self._send("close", status)
         self.closed = True
 
-    def _send(self, method: str, argument: Any) -> None:
+    def _send(self, method: str, *arguments: Any) -> Any:
+        """The relay's result of `method(*arguments)` on its Tracker of this run (None where it failed)."""
         if self.disabled or self.closed:
-            return
-        request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "argument": argument}
-        try:
-            answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri))  # it idled out: started again
+            return None
+        request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "arguments": arguments}
+        reply_s = None if method in COPIES else REPLY_S
+        try:  # a relay that idled out is started again
+            answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri), reply_s=reply_s)
         except OSError:  # none can start again (its folder, the start's lock): as one gone, never the stage's end
             answer = None
         if answer is None or answer.get("stale"):
             mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", ConnectionError("relay gone"))
             self.client = None
-        elif answer["disabled"]:
+            return None
+        if answer["disabled"]:
             self.client = None
+        return answer.get("result")
 
 
 def _code() -> Path:
@@ -109,26 +137,26 @@ def _address(database: Path) -> Path:
     return folder / (hashlib.sha1("\n".join(key).encode()).hexdigest()[:24] + ".sock")
 
 
-def _ask(address: Path, request: dict, *, start: Path | None = None) -> dict | None:
-    """The relay's answer to `request` (its warnings printed here), starting it for `start` (the store) if none
-    answers; None where none can."""
-    answer = _exchange(address, request)
+def _ask(address: Path, request: dict, *, start: Path | None = None, reply_s: float | None = REPLY_S) -> dict | None:
+    """The relay's answer to `request` (its warnings printed here) within `reply_s` (None: as long as the relay
+    lives), starting it for `start` (the store) if none answers; None where none can."""
+    answer = _exchange(address, request, reply_s)
     if answer is None and start is not None:
         from filelock import FileLock
 
         with FileLock(address.parent / "starting.lock", timeout=START_S):  # one relay starts at a time
-            answer = _exchange(address, request)
+            answer = _exchange(address, request, reply_s)
             if answer is None and _start(address, start):
-                answer = _exchange(address, request)
+                answer = _exchange(address, request, reply_s)
     for line in (answer or {}).get("warnings", []):
         mlflow_run.log.warning(line)
     return answer
 
 
-def _exchange(address: Path, request: dict) -> dict | None:
+def _exchange(address: Path, request: dict, reply_s: float | None = REPLY_S) -> dict | None:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(REPLY_S)
+            sock.settimeout(reply_s)
             sock.connect(str(address))
             sock.sendall(json.dumps(request).encode() + b"\n")
             with sock.makefile("rb") as reply:
@@ -233,14 +261,16 @@ def _answer(request: dict, client: Any) -> dict:
         kwargs = request["kwargs"]
         tracker = open_run(**{**kwargs, "run_id_file": Path(kwargs["run_id_file"]), "root": Path(kwargs["root"])})
         return {"run_id": tracker.run_id, "missing": tracker.missing, "uri": tracker.uri}
-    method, argument = request["method"], request["argument"]
+    method, arguments = request["method"], request["arguments"]
     if method not in RELAYED:
         raise ValueError(f"the relay does not run {method}")
     tracker = Tracker(client=client, run_id=request["run_id"], uri=request["uri"])
-    if method == "log_series":
-        argument = {k: {step: value for step, value in pairs} for k, pairs in argument.items()}
-    getattr(tracker, method)(argument)
-    return {"disabled": tracker.disabled}
+    if method == "log_series":  # JSON keys are strings: the steps travel as pairs
+        arguments = [{k: {step: value for step, value in pairs} for k, pairs in arguments[0].items()}]
+    result = getattr(tracker, method)(*arguments)
+    if isinstance(result, set):
+        result = sorted(result)
+    return {"disabled": tracker.disabled, "result": result}
 
 
 if __name__ == "__main__":

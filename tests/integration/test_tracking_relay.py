@@ -5,6 +5,7 @@ switched off (a failing call through it: unit/tracking/test_tracking.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def relays(database: Path) -> list[psutil.Process]:
 
 
 def stage_like(opener, root: Path) -> list[str]:
-    """Two stages of one execution and a third that fails, as stages/_common.py logs them; their run ids."""
+    """Two stages of one execution, the second completing the run as stages/track.py does (relative paths), and a
+    third that fails, as stages/_common.py logs them; their run ids."""
     ids = []
     kwargs = {"uri": "sqlite:///mlruns.db", "experiment": "lora", "run_id_file": root / "run.json", "root": root}
     with opener(**kwargs, execution="e1", run_name="first") as tracker:
@@ -39,8 +41,22 @@ def stage_like(opener, root: Path) -> list[str]:
         tracker.set_tags({"stage.prepare_corpus": "ran", "git_dirty": False})
         tracker.log_metrics({"corpus.documents": 974, "seconds.prepare_corpus": 1.5})
         ids.append(tracker.run_id)
-    with opener(**kwargs, execution="e1", run_name="first") as tracker:  # joins the execution's run
+    (root / "adapter").mkdir()
+    (root / "adapter" / "adapter_config.json").write_text('{"r": 8}')
+    (root / "params.yaml").write_text("lora:\n  r: 8\n")
+    with opener(**kwargs, execution="e1", run_name="first") as tracker, contextlib.chdir(root):  # joins the run
         tracker.log_series({"train.loss": {1: 2.5, 2: 2.25, 3: 2.0}})
+        metrics, tags = tracker.logged()
+        assert metrics == {"corpus.documents": 974, "seconds.prepare_corpus": 1.5, "train.loss": 2.0}
+        assert tags["stage.prepare_corpus"] == "ran" and tracker.logged_steps("train.loss") == {1, 2, 3}
+        tracker.describe("**LoRA fine-tuning** of `tiny`")
+        tracker.tag_experiment({"view": "bits_per_byte"})
+        tracker.log_datasets(
+            [{"name": "training data", "digest": "d" * 40, "source": "corpus.txt", "context": "training"}]
+        )
+        tracker.log_artifact(Path("params.yaml"), "config")
+        tracker.log_artifact(Path("adapter"), "adapter")
+        assert tracker.register_model("tiny-lora", "adapter") == "1"
         ids.append(tracker.run_id)
     with pytest.raises(RuntimeError), opener(**kwargs, execution="e2", run_name="second") as tracker:
         tracker.log_metrics({"eval.bits_per_byte": 1.1}, step=4)
@@ -53,8 +69,14 @@ def content(database: Path, run_id: str) -> dict:
     client = MlflowClient(f"sqlite:///{database}")
     run = client.get_run(run_id)
     histories = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)] for key in run.data.metrics}
-    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}
-    return {"status": run.info.status, "name": run.info.run_name, "params": run.data.params, "tags": tags, **histories}
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.") or k == "mlflow.note.content"}
+    experiment = client.get_experiment(run.info.experiment_id).tags
+    artifacts = {a.path: a.file_size for folder in ("config", "adapter") for a in client.list_artifacts(run_id, folder)}
+    inputs = [(d.dataset.name, d.dataset.digest, [t.value for t in d.tags]) for d in run.inputs.dataset_inputs]
+    versions = [(v.name, v.version) for v in client.search_model_versions(f"run_id = '{run_id}'")]
+    return {"status": run.info.status, "name": run.info.run_name, "params": run.data.params, "tags": tags,
+            "view": experiment.get("view"), "artifacts": artifacts, "inputs": inputs, "versions": versions,
+            **histories}  # fmt: skip
 
 
 def test_a_relayed_run_holds_what_the_stage_logging_itself_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -77,6 +99,7 @@ def test_a_stage_logging_through_the_relay_never_imports_mlflow(tmp_path: Path):
         f"with open_relayed(uri='sqlite:///{tmp_path}/mlruns.db', experiment='lora', "
         f"run_id_file=Path('{tmp_path}/run.json'), execution='e') as t:\n"
         "    t.log_params({'a': 1}); t.log_metrics({'loss': 2.0}, step=1)\n"
+        "    t.logged(); t.log_artifact(Path('pyproject.toml'))\n"
         "print(type(t).__name__, 'mlflow' in sys.modules, t.run_id)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -84,6 +107,8 @@ def test_a_stage_logging_through_the_relay_never_imports_mlflow(tmp_path: Path):
     assert (kind, imported) == ("Relayed", "False"), done.stderr
     logged = content(tmp_path / "mlruns.db", run_id)
     assert logged["params"] == {"a": "1"} and logged["loss"] == [(1, 2.0)] and logged["status"] == "FINISHED"
+    root = MlflowClient(f"sqlite:///{tmp_path}/mlruns.db").get_run(run_id).info.artifact_uri.removeprefix("file://")
+    assert (Path(root) / "pyproject.toml").read_bytes() == (REPO / "pyproject.toml").read_bytes()
 
 
 def test_the_relay_ends_when_idle_comes_back_for_a_late_call_and_leaves_a_replaced_store_to_the_stage(
