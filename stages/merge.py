@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from pipeline.core import config
+from pipeline.core import config, imports
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.log import logger
 from pipeline.export import model_card
@@ -14,6 +14,8 @@ log = logger("merge")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+    if cfg.lora.quantization == "none":  # PEFT would import bitsandbytes, and it torch's compiler: about 1 s
+        imports.without_unused()
     m = cfg.merge
     report = merge(
         base_dir=args.base,
