@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from pipeline.core import imports
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -20,6 +22,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--offset", type=int, default=0, help="which micro-batches (one per process)")
     args = parser.parse_args()
+    imports.without_unused()  # PEFT would import bitsandbytes, and it torch's compiler, for a base it does not quantize
     from datasets import load_from_disk
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
