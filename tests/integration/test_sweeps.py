@@ -109,8 +109,9 @@ def queued(project, tiny_pipeline) -> list:
     deadline = time.monotonic() + 900
     try:
         while time.monotonic() < deadline:
-            status = sh(["dvc", "queue", "status"], project).stdout
-            if "Queued" not in status and "Running" not in status:
+            polled = sh(["dvc", "queue", "status"], project, check=False)
+            status = polled.stdout  # a status read while a worker writes its info file can fail (exit 255, a JSON
+            if not polled.returncode and "Queued" not in status and "Running" not in status:  # error): asked again
                 break
             time.sleep(5)
     finally:
