@@ -61,11 +61,13 @@ programs:
 	$(MAKE) --no-print-directory browser
 	$(MAKE) --no-print-directory nodes
 
-# LLaMA-Factory's environment, the benchmarks' peer (in ~/.cache, once per machine: about 140 s of one core). `make
-# test` builds it beside the ops' compilers, on a core the set-up leaves idle, rather than in the integration tier's bench
-# smoke test (which builds it where this could not, and fails under CI=true where it cannot be built).
-peer: $(PACKAGES) ## build LLaMA-Factory's environment, the benchmarks' peer (once per machine, in ~/.cache)
-	$(BIN)/python -m bench.llamafactory || echo "make $@: LLaMA-Factory's environment not built; the bench smoke tests try again"
+# LLaMA-Factory's environment, the benchmarks' peer (in ~/.cache, once per machine: about 140 s of one core), with the
+# bare interpreter: `make test` builds it from its start beside pip and the ops' compilers, on a core the set-up leaves
+# idle, rather than in the integration tier's bench smoke test (which builds it where this could not, and fails under
+# CI=true where it cannot be built).
+peer: ## build LLaMA-Factory's environment, the benchmarks' peer (once per machine, in ~/.cache)
+	$$(command -v $(PYTHON) || echo python3) bench/llamafactory_venv.py \
+	  || echo "make $@: LLaMA-Factory's environment not built; the bench smoke tests try again"
 
 test: ## lint, then every test: the unit tier, then the integration tier (the repro check at tiny size among them)
 	$(MAKE) --no-print-directory -j3 setup programs peer

@@ -1,7 +1,7 @@
 """LLaMA-Factory, the peer of bench/train.py and bench/preference.py, run as its users run it: `llamafactory-cli
 train cfg.yaml` with FORCE_TORCHRUN=1 (torchrun: one OpenMP thread per rank), HF Trainer + DeepSpeed + PEFT
-underneath, in its own virtual environment built from the package registry (pinned) into the user's cache folder once
-(the smoke runs of `make test` build it too, and fail where it cannot be built).
+underneath, in its own virtual environment (bench/llamafactory_venv.py: built once per machine; the smoke runs of
+`make test` build it too where `make peer` did not, and fail where it cannot be built).
 
 Each comparison is shown twice: at equal work (activation checkpointing off on both sides: ours does not recompute
 on a CPU, LLaMA-Factory is given `disable_gradient_checkpointing`), and at each side's defaults (LLaMA-Factory
@@ -14,62 +14,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
-import venv
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from filelock import FileLock
 
+from bench.llamafactory_venv import VENV
 from pipeline.core.environment import free_port
-
-VERSION = "0.9.5"
-# Outside the checkout: built once per machine (about 3 minutes, 1.6 GB), shared by clones and worktrees.
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-lora-pipeline"
-VENV = CACHE / f"llamafactory-{VERSION}"
-# Same torch and DeepSpeed as ours; LLaMA-Factory pins its own transformers/peft/datasets range.
-PINS = [f"llamafactory=={VERSION}", "torch==2.13.0", "deepspeed==0.19.8"]
-# It imports torchaudio unconditionally (audio datasets) and no torchaudio wheel loads beside the CPU torch 2.13;
-# text training never calls it.
-TORCHAUDIO_STUB = '"""Stub: LLaMA-Factory imports torchaudio, text training never uses it."""\n__version__ = "0.0"\n'
-
-
-def python() -> Path:
-    return VENV / "bin" / "python"
-
-
-def ensure_venv() -> Path:
-    """The peer's interpreter, building its environment on first use (a few minutes, from the registry); one process
-    builds it while others wait."""
-    done = VENV / ".complete"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{VENV}.lock"):
-        if done.exists():
-            return python()
-        _build()
-        done.write_text(json.dumps(PINS) + "\n")
-    return python()
-
-
-def _build() -> None:
-    print(f"bench: building LLaMA-Factory {VERSION}'s environment in {VENV} (once)", flush=True)
-    venv.create(VENV, with_pip=True, clear=True)
-    pip = [str(python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, *PINS], check=True)
-    # PyPI's torchvision and torchaudio (pulled in by dependencies) are built against CUDA torch and do not load
-    # beside the CPU wheel; text training never needs them.
-    subprocess.run([str(python()), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio"], check=False)
-    site = subprocess.run(
-        [str(python()), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
-    stub = Path(site) / "torchaudio"
-    if not (stub / "__init__.py").exists():
-        stub.mkdir(exist_ok=True)
-        (stub / "__init__.py").write_text(TORCHAUDIO_STUB)
-    subprocess.run([str(python()), "-c", "import llamafactory, deepspeed"], check=True, capture_output=True)
-
 
 # LLaMA-Factory's examples/deepspeed/ds_z2_config.json: what its users pass as `deepspeed:` (HF fills the "auto"s).
 ZERO2 = {
@@ -261,8 +212,3 @@ def paired(what: str, ours: list[float], theirs: list[float]) -> list[tuple[floa
     if len(ours) != len(theirs) or not ours:
         raise SystemExit(f"bench: {what}: ours logged {len(ours)} step(s), LLaMA-Factory {len(theirs)}")
     return list(zip(ours, theirs, strict=True))
-
-
-if __name__ == "__main__":
-    print(ensure_venv())
-    sys.exit(0)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from bench import llamafactory
+from bench import llamafactory, llamafactory_venv
 from bench.common import report, results_folder, run_measured, smoke_arguments, smoke_project
 from pipeline.core import config
 from pipeline.core.atomic import read_json
@@ -241,7 +241,7 @@ def compare(setup: Setup, work: Path, data: Path, *, precision: str, runs: int) 
 def measure(setup: Setup, *, precisions: list[str], runs: int) -> dict:
     """Every precision of `setup`, in a temporary folder."""
     figures = {"steps": setup.steps, "ranks": setup.ranks, "micro_pairs": setup.micro, "max_len": setup.max_len}
-    figures |= {"beta": BETA, "lr": LR, "llamafactory": llamafactory.VERSION}
+    figures |= {"beta": BETA, "lr": LR, "llamafactory": llamafactory_venv.VERSION}
     with tempfile.TemporaryDirectory(prefix="bench-preference-") as tmp:
         work = Path(tmp)
         data, order = prepare(setup, work)
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     smoke_arguments(parser)
     args = parser.parse_args(argv)
     results = results_folder(args)
-    llamafactory.ensure_venv()
+    llamafactory_venv.ensure_venv()
     default = ["fp32"] if args.smoke else ["bf16", "fp32"]
     precisions = [p for p in args.precisions or default if p != "bf16" or native_bf16("cpu")]
     if args.smoke:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from bench import llamafactory
+from bench import llamafactory, llamafactory_venv
 from bench.common import report, results_folder, run_measured, smoke_arguments, smoke_project
 from pipeline.core import config
 from pipeline.core.atomic import read_json
@@ -250,7 +250,7 @@ def measure(setup: Setup, *, kinds: list[str], precisions: list[str], runs: int)
     """Every (kind, precision) of `setup`, in a temporary folder."""
     figures = {"steps": setup.steps, "ranks": setup.ranks, "micro": setup.micro, "block": setup.block,
                "chat_len": setup.chat_len}  # fmt: skip
-    figures["llamafactory"] = llamafactory.VERSION
+    figures["llamafactory"] = llamafactory_venv.VERSION
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         work = Path(tmp)
         data, orders = prepare(setup, work)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     smoke_arguments(parser)
     args = parser.parse_args(argv)
     results = results_folder(args)
-    llamafactory.ensure_venv()
+    llamafactory_venv.ensure_venv()
     default = ["fp32"] if args.smoke else ["bf16", "fp32"]
     precisions = [p for p in args.precisions or default if p != "bf16" or native_bf16("cpu")]
     if args.smoke:
