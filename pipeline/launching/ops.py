@@ -52,7 +52,7 @@ def build_ops() -> None:
     and our own CPU kernels and allocator (pipeline/kernels/csrc/), and where there is a GPU the CUDA build of CPU
     Adam that offload uses there, so that no stage pays for it or can be killed in the middle of it (`make setup`
     runs this). Each op compiles mostly on one core (torch's extension headers, one file after another): they build
-    side by side, a forked process each, as many at once as there are cores (215 -> about 150 s on 2 cores)."""
+    side by side, a forked process each, as many at once as there are cores (215 -> 176 s on 2 cores)."""
     import torch
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
