@@ -150,8 +150,7 @@ def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None 
     head = causal.get_output_embeddings()
     if any(getattr(causal.config, name, None) for name in HEAD_EXTRAS) or head is None:
         logits = model(input_ids=ids).logits.float()
-        labels = labels.to(logits.device)
-        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").reshape(-1)
+        return positions_nll(logits, labels.to(logits.device))
     hidden = causal.get_decoder()(input_ids=ids).last_hidden_state
     device = head.weight.device
     budget = LOGIT_BYTES["cuda" if device.type == "cuda" else "cpu"]
@@ -159,9 +158,16 @@ def token_nll(model, ids: torch.Tensor, labels: torch.Tensor, chunk: int | None 
     hidden, labels = hidden.to(device), labels.to(device)  # the decoder may end on another GPU than the head
     parts = []
     for start in range(0, ids.shape[1], chunk):
-        logits = head(hidden[:, start : start + chunk]).float().transpose(1, 2)
-        parts.append(torch.nn.functional.cross_entropy(logits, labels[:, start : start + chunk], reduction="none"))
+        logits = head(hidden[:, start : start + chunk]).float()
+        parts.append(positions_nll(logits, labels[:, start : start + chunk]).view(ids.shape[0], -1))
     return torch.cat(parts, dim=1).reshape(-1)
+
+
+def positions_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """-log p of each label (0 at -100) from batch x positions x vocabulary logits, flattened in (row, position)
+    order: over rows of the vocabulary, contiguous (cross_entropy over the vocabulary as dimension 1 of a transposed
+    view, as before, took 2.7-3.7x as long on a CPU: 104 against 28-38 ms for 4 x 64 positions of 49,152)."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
 
 
 def score(
