@@ -34,14 +34,19 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def one(base: Path, variant: str, steps: int, batch: int, tokens: int) -> dict:
-    """Train `steps` steps of `variant` in this process; the median step time after a first (warm-up) step."""
+    """Train `steps` steps of `variant` in this process; the median step time after a first (warm-up) step. A variant
+    that quantizes nothing runs without bitsandbytes, as the train stage's ranks do (pipeline/core/imports.py)."""
     import torch
 
+    from pipeline.core import imports
+
+    changes, ratio, kind = VARIANTS[variant]
+    if kind is None:
+        imports.without_unused()
     from pipeline.model.lora import LoraSpec, count_parameters, load_lora_model, parameter_groups
     from pipeline.model.quantization import Quantization
 
     torch.set_num_threads(1)
-    changes, ratio, kind = VARIANTS[variant]
     settings = {"r": 8, "alpha": 16, "dropout": 0.0, "use_rslora": False, "target_modules": TARGETS}
     lora = LoraSpec(**{**settings, "modules_to_save": [], **changes})
     rows = json.loads((base / "config.json").read_text())["vocab_size"]
