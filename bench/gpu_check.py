@@ -64,7 +64,8 @@ def overrides(*, base: Path, corpus: Path, accelerator: str, zero: int, steps: i
         f"train.eval_every={steps}", f"train.save_every={steps}", "train.eval_max_rows=4", "merge.dtype=bf16",
         *(f"eval.sets.{name}={corpus / file}" for name, file in EVAL_SETS.items()),
         *(f"eval.{key}={value}" for key, value in EVAL[accelerator].items()), "eval.max_new_tokens=8",
-        f"launcher.accelerator={accelerator}", "launcher.ranks_per_node=1", "tracking.uri=", "tracking.tensorboard=false",
+        f"launcher.accelerator={accelerator}", "launcher.ranks_per_node=1", "tracking.uri=",
+        "tracking.tensorboard=false",
     ]  # fmt: skip
 
 
