@@ -76,9 +76,10 @@ def _convert(args: argparse.Namespace) -> None:
 def _merge(args: argparse.Namespace) -> None:
     from pipeline.checkpoints.adapter import read_variant
     from pipeline.core import imports
+    from pipeline.model.quantization import KINDS
 
-    if read_variant(args.adapter).get("quantization") not in ("nf4", "int8"):  # as the stage: no bitsandbytes (and
-        imports.without_unused()  # torch's compiler through it) for a merge that measures no quantized base
+    if read_variant(args.adapter).get("quantization") not in KINDS:  # as the stage: no bitsandbytes (and torch's
+        imports.without_unused()  # compiler through it) for a merge that measures no quantized base
     from pipeline.merge.fold import merge
 
     report = merge(
