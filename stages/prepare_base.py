@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from pipeline.core import assets, config
+from pipeline.core import assets, config, imports
 from pipeline.core.atomic import write_json
 from pipeline.core.log import logger
 from pipeline.model.base_import import import_base
@@ -13,6 +13,7 @@ log = logger("prepare_base")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
+    imports.without_unused()  # no import quantizes; transformers would import scipy for nothing (about 1 s of CPU)
     summary = import_base(
         source=assets.resolve(cfg.model.path),
         out_dir=args.out,

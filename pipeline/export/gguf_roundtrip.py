@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.model.gguf_reading import read_once
+
 PROBES = (
     "The capital of France is Paris, and the capital of Italy is Rome.",
     "中国人民银行今天宣布，下调存款准备金率。",
@@ -27,7 +29,13 @@ def _logits(model, batches: list[torch.Tensor]) -> torch.Tensor:
 
 
 def roundtrip(*, model_dir: Path, gguf_file: Path, type_name: str) -> dict:
-    """Figures of the comparison; a ValueError when the file is outside the limits of its type."""
+    """Figures of the comparison; a ValueError when the file is outside the limits of its type. The file's metadata
+    is read once for its tokenizer and its model (`gguf_reading.read_once`)."""
+    with read_once(hand_over_reader=True):
+        return _roundtrip(model_dir=model_dir, gguf_file=gguf_file, type_name=type_name)
+
+
+def _roundtrip(*, model_dir: Path, gguf_file: Path, type_name: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from pipeline.data.tokenizer import load_tokenizer

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import math
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -17,6 +14,7 @@ from pipeline.core.atomic import atomic_path
 from pipeline.core.precision import DTYPES
 from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
 from pipeline.model import outline, pretrained
+from pipeline.model.gguf_reading import read_once
 from pipeline.model.remote_code import custom_code
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
@@ -32,7 +30,7 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
     if source.suffix != ".gguf" and (reason := custom_code(source)):
         raise ValueError(reason)
 
-    with atomic_path(out_dir) as tmp, _gguf_read_once() if source.suffix == ".gguf" else contextlib.nullcontext():
+    with atomic_path(out_dir) as tmp, read_once() if source.suffix == ".gguf" else contextlib.nullcontext():
         if source.suffix != ".gguf":
             _link_hf_folder(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
         elif not convert_gguf(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size):
@@ -86,7 +84,7 @@ def convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_siz
     Q/K) and de-quantized as transformers' own GGUF loader does it (its name map, tensor processor and gguf's
     de-quantization) and written as it is made: memory holds one tensor, never the model. False, with nothing
     written, for architectures whose tensors transformers merges or splits (its other processors: MoE)."""
-    with _gguf_read_once():
+    with read_once():
         return _convert_gguf(path, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
 
@@ -142,36 +140,6 @@ def _convert_gguf(path: Path, out_dir: Path, *, dtype: torch.dtype, max_shard_si
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     return True
-
-
-@contextlib.contextmanager
-def _gguf_read_once() -> Iterator[None]:
-    """While a GGUF base is imported, transformers' whole read of the file's metadata (load_gguf_checkpoint without
-    tensors: gguf's pure-Python reader over every field, the vocabulary's too) is made once, not for the config and
-    again for the tokenizer (4.6 s of CPU each for SmolLM2-135M), and gguf's tensor-name table once, not for every
-    module transformers' name map recurses into (about 400 times: 7.9 s, 0.03 s once; the cost grows with modules x
-    layers). The table is read only; each caller gets its own copy of the metadata. Within an outer one: the outer's."""
-    import gguf
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
-
-    if getattr(hf_gguf.load_gguf_checkpoint, "reads_once", False):
-        yield
-        return
-    table, read, kept = gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint, {}
-
-    def read_once(path, return_tensors=False, **kwargs):
-        if return_tensors or kwargs:
-            return read(path, return_tensors, **kwargs)
-        if str(path) not in kept:
-            kept[str(path)] = read(path, return_tensors=False)
-        return copy.deepcopy(kept[str(path)])
-
-    read_once.reads_once = True
-    gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = functools.cache(table), read_once  # both looked up at call
-    try:
-        yield
-    finally:
-        gguf.get_tensor_name_map, hf_gguf.load_gguf_checkpoint = table, read
 
 
 def _tied(model, key: str) -> bool:
