@@ -33,6 +33,7 @@ from bench.common import peoples_daily_text, run_measured
 from pipeline.checkpoints import model_files, safetensors_stream
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.environment import with_venv_path
+from pipeline.model import outline
 from tools.repro_check import copy_project, sh
 
 SHAPE = {  # Llama-3.2-3B
@@ -67,7 +68,9 @@ def write_random_llama(
     out: Path, tokenizer_dir: Path, seed: int = 0, shape: dict | None = None, device: str = "cpu"
 ) -> int:
     """The model of `shape` (default SHAPE) with N(0, 0.02) weights (norms 1), bf16, one tensor in memory at a time,
-    drawn on `device` (a GPU draws an 8B model's in seconds, where 16 CPU cores take minutes); its parameters."""
+    drawn on `device` (a GPU draws an 8B model's in seconds, where 16 CPU cores take minutes), with its module outline
+    (as prepare_base writes it: a train stage given this folder reads it, not transformers' model code); its
+    parameters."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**(shape or SHAPE), torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
@@ -99,6 +102,7 @@ def write_random_llama(
     write_json(out / safetensors_stream.INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     for path in tokenizer_dir.iterdir():
         (out / path.name).write_bytes(path.read_bytes())
+    outline.write(out)
     return sum(math.prod(s) for s in shapes.values())
 
 
