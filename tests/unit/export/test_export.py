@@ -22,13 +22,17 @@ from tests.conftest import REPO
 
 @pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["f16", "q8_0"])
-def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name):
+def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name, monkeypatch):
     import gguf
 
     out = tmp_path / "model.gguf"
     written = export_gguf(model_dir=tiny_base_dir, out=out, type_name=type_name)
     assert written["tensors"] == {type_name: 15, "f32": 5}, "2 layers x 7 matrices + tied embeddings; 5 norms"
+    parsed = []
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, reader=gguf.GGUFReader, **k: parsed.append(1) or reader(*a, **k))
     figures = roundtrip(model_dir=tiny_base_dir, gguf_file=out, type_name=type_name)
+    assert len(parsed) == 1, "the file's fields parsed once: for the tokenizer, the config and the tensors"
+    monkeypatch.undo()
     assert figures["top1_agreement"] == 1.0
     if type_name == "f16":
         assert figures["max_abs_diff_vs_f16_rounded"] == 0.0, "f16 changes nothing but the rounding"
