@@ -11,10 +11,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from pipeline.checkpoints.universal import universal_path
 from pipeline.core.atomic import atomic_path, read_json
+from pipeline.core.imports import torch
 from pipeline.data.tokenizer import FILES as TOKENIZER_FILES
 
 LATEST = "latest"

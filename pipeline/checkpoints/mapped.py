@@ -9,7 +9,7 @@ import mmap
 import zipfile
 from pathlib import Path
 
-import torch
+from pipeline.core.imports import torch
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.mapped import is_legacy, release
 from pipeline.checkpoints.safetensors_stream import INDEX, raw_bytes, stored
+from pipeline.core.imports import torch
 
 SAFETENSORS = "model.safetensors"
 BIN = "pytorch_model.bin"

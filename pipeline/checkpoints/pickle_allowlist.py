@@ -22,9 +22,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from pipeline.checkpoints.unpickler import Callee, Policy, Refused
+from pipeline.core.imports import torch
 
 DEEPSPEED_CLASSES = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -39,7 +39,7 @@ TORCH_DTYPES = (
 NUMPY_CODES = ("?", "b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")
 NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")  # numpy 1.x and 2.x pickle under these
 MAX_INT = 2**62
-QUANTIZED = (torch.qint8, torch.qint32, torch.quint8, torch.quint4x2, torch.quint2x4)
+QUANTIZED = ("qint8", "qint32", "quint8", "quint4x2", "quint2x4")  # torch dtypes without a storage we read
 MAX_DIMS = 32
 
 
@@ -121,7 +121,7 @@ def policy(storage: Callable[[object], object] | None = None, storages: Storages
     for dtype in TORCH_DTYPES:
         names[("torch", dtype)] = getattr(torch, dtype)
     for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
-        if dtype not in QUANTIZED:
+        if str(dtype).removeprefix("torch.") not in QUANTIZED:
             names[("torch", storage_name)] = StorageKind(storage_name, dtype)
     names[("torch", "UntypedStorage")] = StorageKind("UntypedStorage", torch.uint8)
     callee("torch", "Size", reduce=_size)

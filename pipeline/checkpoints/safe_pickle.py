@@ -22,10 +22,9 @@ import types
 import zipfile
 from pathlib import Path
 
-import torch
-
 from pipeline.checkpoints import pickle_allowlist
 from pipeline.checkpoints.unpickler import Machine, Malformed, Refused, brief
+from pipeline.core.imports import torch
 
 TRUSTED = contextvars.ContextVar("trust_pickles", default=False)  # --trust-pickles of the CLI commands
 HINT = (

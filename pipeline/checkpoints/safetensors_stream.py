@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from pipeline.core.imports import torch
 
-CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64", torch.int32: "I32"}
+CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int32": "I32"}  # torch dtype: code
 
 
 def all_finite(tensor: torch.Tensor, block: int = 1 << 20) -> bool:
@@ -39,7 +39,11 @@ def write(
     header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
     for name, shape, dtype in entries:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": CODES[str(dtype).removeprefix("torch.")],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -109,8 +113,13 @@ def _layout(keys: list[str], sizes: dict[str, int], max_bytes: int) -> list[list
     return [*shards, current] if current else shards
 
 
-DTYPES = {code: dtype for dtype, code in CODES.items()}
+NAMES = {code: name for name, code in CODES.items()}
 CHUNK = 1 << 24  # bytes read at a time when hashing
+
+
+def dtype_of(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype code ("F32")."""
+    return getattr(torch, NAMES[code])
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -137,12 +146,12 @@ class Stored:
 
     @property
     def dtype(self) -> torch.dtype:
-        return DTYPES[self.header[self.name]["dtype"]]
+        return dtype_of(self.header[self.name]["dtype"])
 
     def read(self) -> torch.Tensor:
         """The tensor, read with plain file reads (no memory map: the file's pages never count as ours)."""
         entry = self.header[self.name]
-        tensor = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+        tensor = torch.empty(entry["shape"], dtype=dtype_of(entry["dtype"]))
         begin, end = entry["data_offsets"]
         with open(self.path, "rb") as f:
             f.seek(self.start + begin)
@@ -153,7 +162,7 @@ class Stored:
     def read_flat(self, start: int, count: int) -> torch.Tensor:
         """Elements [start, start + count) of the flattened tensor, read alone (a rank's slice of a parameter)."""
         entry = self.header[self.name]
-        tensor = torch.empty(count, dtype=DTYPES[entry["dtype"]])
+        tensor = torch.empty(count, dtype=dtype_of(entry["dtype"]))
         size = tensor.element_size()
         with open(self.path, "rb") as f:
             f.seek(self.start + entry["data_offsets"][0] + start * size)

@@ -15,10 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.mapped import is_legacy
+from pipeline.core.imports import torch
 
 SHARD = re.compile(
     r"^(?P<bf16>bf16_)?(?:zero_pp_rank_(?P<rank>\d+)_)?mp_rank_(?P<mp>\d+)_(?P<kind>model|optim)_states\.pt$"
@@ -26,7 +25,7 @@ SHARD = re.compile(
 # Files of parallelism this reader does not reassemble (pipeline stages, MoE experts).
 UNSUPPORTED = re.compile(r"^(layer_\d+-model_.*|layer_\d+_expert_\d+_.*|(bf16_)?expp_rank_\d+_.*)\.pt$")
 NVME = "offloaded_tensors"  # ZeRO-3 with offload_optimizer.device=nvme keeps partitions here as *.tensor.swp
-Lazy = tuple[torch.Size, Callable[[], torch.Tensor]]  # a tensor's shape, and how to read it when it is written
+Lazy = tuple["torch.Size", Callable[[], "torch.Tensor"]]  # a tensor's shape, and how to read it when it is written
 
 
 def load(path: Path) -> dict:

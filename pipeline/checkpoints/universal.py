@@ -12,11 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-import torch
-
 from pipeline.checkpoints import safe_pickle
 from pipeline.checkpoints.zero_shards import MOMENTS, optimizer_state
 from pipeline.core.atomic import atomic_path
+from pipeline.core.imports import torch
 
 SUFFIX = "_universal"
 MANIFEST = "universal_manifest.json"

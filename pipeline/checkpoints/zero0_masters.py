@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from pipeline.checkpoints.shard_files import Lazy
+from pipeline.core.imports import torch
 
 SAMPLE = 4096  # elements compared at each end of a flat group to tell which module buffer it is
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
-import torch
-
 from pipeline.checkpoints.mapped import release
 from pipeline.checkpoints.shard_files import Lazy, TagFiles, check_one_config, check_same, load, tag_files
 from pipeline.checkpoints.zero0_masters import adapter_names, zero0_masters
+from pipeline.core.imports import torch
 
 
 @dataclass(frozen=True)

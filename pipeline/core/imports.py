@@ -6,15 +6,20 @@ a run does not use:
   no-op decorator in torch.compile's place, so Muon would run uncompiled;
 - PEFT and transformers import bitsandbytes for a base that is not quantized, and transformers imports
   scipy.optimize for its object-detection losses;
+- DeepSpeed runs py-cpuinfo's CPU probe, a Python process each time, three times in a rank that offloads to CPU
+  Adam: here it runs once;
 - DeepSpeed's torch backend loads its shared-memory all-reduce op (and probes every op's compatibility first) in
   each rank's init_distributed on a CPU, though only inference_all_reduce uses it: about 2.5 s of every launch, and
   a /dev/shm buffer per rank it never removes.
 What each costs: docs/training.md. DeepSpeed is also given one fix here (see zero_init_keeps_dtype).
 A None entry in sys.modules is Python's own "not importable": importing it raises ImportError and find_spec finds
-nothing, which is how these packages test for their optional dependencies."""
+nothing, which is how these packages test for their optional dependencies.
+`imports.torch` is torch imported at the first read of one of its attributes (`Lazy`), for the modules whose
+planning functions the train stage's process uses: it never imports torch on a fresh run (2.1 -> 0.9 s of CPU)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 from types import ModuleType
@@ -45,7 +50,19 @@ def deepspeed() -> ModuleType:
             compiler.compile = compile_
     zero_init_keeps_dtype()
     without_shm_all_reduce()
+    cpu_info_once()
     return loaded
+
+
+def cpu_info_once() -> None:
+    """Make py-cpuinfo's get_cpu_info answer once a process. DeepSpeed 0.19.8 calls it three times in a rank that
+    offloads its optimizer to CPU Adam (the op's -march and SIMD flags at its JIT load, the vendor in
+    DeepSpeedCPUAdam), and each call is a Python process of its own that probes the CPU: 1.2 s, 0.7 s of CPU each on
+    a 2-core machine. What it reads does not change while a process runs."""
+    import cpuinfo
+
+    if not hasattr(cpuinfo.get_cpu_info, "cache_info"):
+        cpuinfo.get_cpu_info = functools.cache(cpuinfo.get_cpu_info)
 
 
 SHM_ALL_REDUCE = "deepspeed_shm_comm"  # deepspeed.ops.op_builder.cpu.ShareMemCommBuilder.NAME
@@ -79,6 +96,24 @@ def zero_init_keeps_dtype() -> None:
     keeping.keeps_dtype = True
     Init._set_dtype = keeping
 
+
+class Lazy:
+    """A module imported at the first read of one of its attributes: `torch = imports.Lazy("torch")` at the top of a
+    module whose functions use torch, so that the processes importing it for its other functions (the train stage's,
+    which plans and never touches a tensor) do not import torch (2.1 -> 0.9 s of CPU a launch). Each read is the
+    module's attribute as it is then (no copy is kept: a test's monkeypatch is seen)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str):
+        return getattr(sys.modules.get(self._name) or importlib.import_module(self._name), attribute)
+
+    def __repr__(self) -> str:
+        return f"Lazy({self._name!r})"
+
+
+torch = Lazy("torch")  # for the modules the train stage's process imports: it plans, and never touches a tensor
 
 UNUSED = ("bitsandbytes", "scipy")
 

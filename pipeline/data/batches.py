@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
+from pipeline.core.imports import torch
 from pipeline.data.examples import IGNORE_INDEX
 
 

@@ -18,7 +18,7 @@ import platform
 from functools import cache
 from pathlib import Path
 
-import torch
+from pipeline.core.imports import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 ISA_VARIABLE = "PIPELINE_KERNELS_ISA"

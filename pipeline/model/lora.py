@@ -7,8 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
+from pipeline.core.imports import torch
 from pipeline.model.outline import Outline, of_model
 
 if TYPE_CHECKING:
@@ -80,14 +79,15 @@ def peft_config(lora: LoraSpec, model_config):
     )
 
 
-def lora_skeleton(*, base_dir: Path, vocab_rows: int, lora: LoraSpec, dtype: torch.dtype = torch.float32):
+def lora_skeleton(*, base_dir: Path, vocab_rows: int, lora: LoraSpec, dtype: torch.dtype | None = None):
     """The LoRA model without the base's weights: its trainable parameters zeros of their real shapes (a checkpoint
-    fills them), every frozen one a one-element placeholder (ties kept). Enough for an engine to partition and save
-    a checkpoint of any layout; the base is never read."""
+    fills them), every frozen one a one-element placeholder (ties kept), in `dtype` (None: float32). Enough for an
+    engine to partition and save a checkpoint of any layout; the base is never read."""
     from accelerate import init_empty_weights
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     config = AutoConfig.from_pretrained(base_dir)
     config.vocab_size = vocab_rows
     with init_empty_weights(include_buffers=False):
@@ -112,7 +112,7 @@ def load_lora_model(
     vocab_rows: int,
     lora: LoraSpec,
     seed: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     gradient_checkpointing: bool = False,
     zero3_config: dict | None = None,
     quantization: Quantization | None = None,
@@ -122,11 +122,12 @@ def load_lora_model(
     """The base in the dtype it trains in (whole on `device`, or with `zero3_config` partitioned across the ranks as
     it is built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings
     grown to `vocab_rows`, its attention transformers' `attention` implementation, wrapped in a fresh LoRA adapter
-    (seeded init, in `dtype` too)."""
+    (seeded init, in `dtype` too; None: float32)."""
     from peft import get_peft_model
 
     from pipeline.model import base_weights
 
+    dtype = dtype or torch.float32
     common = {"base_dir": base_dir, "dtype": dtype, "vocab_rows": vocab_rows, "init": lora.init_new_embeddings}
     if quantization is not None:
         from pipeline.model import quantization as bnb_base

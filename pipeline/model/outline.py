@@ -13,9 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from pipeline.core.atomic import atomic_path
+from pipeline.core.imports import torch
 
 FILE = "module_outline.json"
 

@@ -32,6 +32,7 @@ class LayerSizes:
 
 
 ADAM_EPSILON = 1e-8  # AdamW's eps (the update is lr * m / (sqrt(v) + eps)): DeepSpeed's and PyTorch's default
+HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # precision: the torch dtype the module trains in (else float32)
 
 
 def build(
@@ -144,4 +145,9 @@ class EngineConfig:
         """The torch dtype the module trains in."""
         import torch
 
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+        return getattr(torch, HALF_DTYPES.get(self.precision, "float32"))
+
+    @property
+    def module_dtype_bytes(self) -> int:
+        """The bytes of one element of the module's dtype (without importing torch: the stage plans with it)."""
+        return 2 if self.precision in HALF_DTYPES else 4

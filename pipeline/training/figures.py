@@ -6,9 +6,8 @@ from __future__ import annotations
 import resource
 from pathlib import Path
 
-import torch
-
 from pipeline.core.atomic import atomic_path
+from pipeline.core.imports import torch
 
 
 def per_rank(value: float, device) -> list[float]:

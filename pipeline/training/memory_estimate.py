@@ -211,7 +211,7 @@ def planned(
         offload_param=deepspeed.offload_param,
         offload_optimizer=deepspeed.offload_optimizer,
         world_size=launch.world_size,
-        dtype_bytes=ds_config.module_dtype.itemsize,
+        dtype_bytes=ds_config.module_dtype_bytes,
         tokens=-(-micro * sequence // launch.sequence_parallel),  # a rank's shard of the micro-batch
         checkpointing=launch.gradient_checkpointing,
         accelerator=launch.accelerator,

@@ -14,9 +14,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
+from pipeline.core.imports import torch
 from pipeline.data.batches import collate, on_device, shifted
 from pipeline.data.examples import IGNORE_INDEX
 
@@ -97,14 +95,14 @@ def pair_losses(
     beta = objective.beta
     if objective.kind == "dpo":
         reward_c, reward_r = beta * (chosen - reference_chosen), beta * (rejected - reference_rejected)
-        losses = -F.logsigmoid(reward_c - reward_r)
+        losses = -torch.nn.functional.logsigmoid(reward_c - reward_r)
     elif objective.kind == "simpo":
         reward_c, reward_r = beta * chosen / chosen_count, beta * rejected / rejected_count
-        losses = -F.logsigmoid(reward_c - reward_r - objective.simpo_gamma)
+        losses = -torch.nn.functional.logsigmoid(reward_c - reward_r - objective.simpo_gamma)
     elif objective.kind == "orpo":
         mean_c, mean_r = chosen / chosen_count, rejected / rejected_count
         log_odds = (mean_c - mean_r) - (torch.log1p(-torch.exp(mean_c)) - torch.log1p(-torch.exp(mean_r)))
-        losses = -mean_c - beta * F.logsigmoid(log_odds)
+        losses = -mean_c - beta * torch.nn.functional.logsigmoid(log_odds)
         reward_c, reward_r = beta * mean_c, beta * mean_r
     else:
         raise ValueError(f"train.objective: {objective.kind!r} is not a preference objective; expected dpo|orpo|simpo")

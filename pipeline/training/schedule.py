@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
-import torch
+from pipeline.core.imports import torch
 
 
 @dataclass(frozen=True, kw_only=True)

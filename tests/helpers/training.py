@@ -74,10 +74,14 @@ def train(
     check: bool = True,
     extra: tuple[str, ...] = (),
     cwd: Path = REPO,
+    refuse_torch: bool = False,
 ) -> subprocess.CompletedProcess:
     """The train stage as a process (its own params.yaml under `out`) run in `cwd` (a copy of the project's code:
-    its `stages` and `pipeline` are the ones imported); `extra`: more stage arguments."""
+    its `stages` and `pipeline` are the ones imported); `extra`: more stage arguments. `refuse_torch`: the stage's
+    process fails if it imports torch (tests/helpers/without_torch.py; its ranks are not affected)."""
     args = [*train_command(inputs, base, out, overrides), *extra]
+    if refuse_torch:
+        args[1:2] = ["-m", "tests.helpers.without_torch"]
     done = subprocess.run(args, cwd=cwd, env=env(), capture_output=True, text=True)
     if check and done.returncode:
         raise AssertionError(f"train exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
