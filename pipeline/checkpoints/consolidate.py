@@ -16,7 +16,7 @@ from pipeline.checkpoints.folder import STATE
 from pipeline.checkpoints.locate import Located, locate
 from pipeline.checkpoints.zero_shards import master_weights
 from pipeline.core.atomic import atomic_path
-from pipeline.core.precision import DTYPES
+from pipeline.core.precision import DTYPES, dtype_name
 from pipeline.data.tokenizer import FILES as TOKENIZER_FILES
 
 MANIFEST = "consolidate_manifest.json"
@@ -95,7 +95,7 @@ def consolidate(
             "variant": variant,
             "elements": sum(math.prod(shape) for _, shape, _ in entries),
             "tensors": {
-                key: {"shape": list(shape), "dtype": str(kind).removeprefix("torch."), "sha256": digests[key]}
+                key: {"shape": list(shape), "dtype": dtype_name(kind), "sha256": digests[key]}
                 for key, shape, kind in entries
             },
         }

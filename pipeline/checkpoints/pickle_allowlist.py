@@ -25,6 +25,7 @@ import numpy as np
 
 from pipeline.checkpoints.unpickler import Callee, Policy, Refused
 from pipeline.core.imports import torch
+from pipeline.core.precision import dtype_name
 
 DEEPSPEED_CLASSES = (
     ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
@@ -121,7 +122,7 @@ def policy(storage: Callable[[object], object] | None = None, storages: Storages
     for dtype in TORCH_DTYPES:
         names[("torch", dtype)] = getattr(torch, dtype)
     for dtype, storage_name in torch.storage._dtype_to_storage_type_map().items():
-        if str(dtype).removeprefix("torch.") not in QUANTIZED:
+        if dtype_name(dtype) not in QUANTIZED:
             names[("torch", storage_name)] = StorageKind(storage_name, dtype)
     names[("torch", "UntypedStorage")] = StorageKind("UntypedStorage", torch.uint8)
     callee("torch", "Size", reduce=_size)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.core.imports import torch
+from pipeline.core.precision import dtype_name
 
 CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int64": "I64", "int32": "I32"}  # torch dtype: code
 
@@ -40,7 +41,7 @@ def write(
     for name, shape, dtype in entries:
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[name] = {
-            "dtype": CODES[str(dtype).removeprefix("torch.")],
+            "dtype": CODES[dtype_name(dtype)],
             "shape": list(shape),
             "data_offsets": [offset, offset + size],
         }

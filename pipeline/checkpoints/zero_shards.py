@@ -22,6 +22,7 @@ from pipeline.checkpoints.mapped import release
 from pipeline.checkpoints.shard_files import Lazy, TagFiles, check_one_config, check_same, load, tag_files
 from pipeline.checkpoints.zero0_masters import adapter_names, zero0_masters
 from pipeline.core.imports import torch
+from pipeline.core.precision import dtype_name
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def _tensors(
         world = int(first.get("dp_world_size", 1))
         state, wrapper, dtype = zero0_masters(first, first_path)
         source = Source(tag_dir.name, 0, world, str(first.get("ds_version")), steps)
-        return {"fp32": state}, source, Layout(wrapper, str(dtype).removeprefix("torch."), notes)
+        return {"fp32": state}, source, Layout(wrapper, dtype_name(dtype), notes)
     parts = _read_optim(files.optim, first)
     check_same({first_path: str(first.get("ds_version")), files.optim[0]: parts.version}, "ds_version")
     whole = first.get("optimizer")
@@ -299,7 +300,7 @@ def _tensors(
             )
             for kind in kinds
         }
-    dtype = str(parts.groups["fp32"][0][0].dtype).removeprefix("torch.") if parts.groups["fp32"][0] else "float32"
+    dtype = dtype_name(parts.groups["fp32"][0][0].dtype) if parts.groups["fp32"][0] else "float32"
     if dtype != "float32":
         notes += (
             f"the checkpoint keeps no fp32 masters: its master weights are {dtype} "

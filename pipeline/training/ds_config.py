@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from pipeline.core.precision import NAMES as DTYPE_NAMES
 from pipeline.launching.settings import check_batch
 
 LEAN_LIVE = 100_000_000  # ZeRO-3 gathered elements kept live on CPU ranks (DeepSpeed's default: 1e9)
@@ -32,7 +33,6 @@ class LayerSizes:
 
 
 ADAM_EPSILON = 1e-8  # AdamW's eps (the update is lr * m / (sqrt(v) + eps)): DeepSpeed's and PyTorch's default
-HALF_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # precision: the torch dtype the module trains in (else float32)
 
 
 def build(
@@ -143,11 +143,11 @@ class EngineConfig:
     @property
     def module_dtype(self):
         """The torch dtype the module trains in."""
-        import torch
+        from pipeline.core.precision import DTYPES
 
-        return getattr(torch, HALF_DTYPES.get(self.precision, "float32"))
+        return DTYPES[self.precision]
 
     @property
     def module_dtype_bytes(self) -> int:
         """The bytes of one element of the module's dtype (without importing torch: the stage plans with it)."""
-        return 2 if self.precision in HALF_DTYPES else 4
+        return 4 if DTYPE_NAMES[self.precision] == "float32" else 2
