@@ -10,14 +10,18 @@ import os
 import warnings
 
 THIRD_PARTIES = r"(torch|transformers|peft|deepspeed|accelerate|datasets|mlflow|pydantic|hydra|omegaconf|dvc)(\.|$)"
+ENVIRONMENT = {  # for this process's libraries and the processes it starts (PYTHONWARNINGS: the latter only)
+    "TRANSFORMERS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+}
 
 
 def quiet_third_parties() -> None:
     """Silence the libraries' warnings and progress bars in this process and the processes it starts."""
     for category in (FutureWarning, DeprecationWarning, UserWarning):
         warnings.filterwarnings("ignore", category=category, module=THIRD_PARTIES)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning")  # child processes
+    for variable, value in ENVIRONMENT.items():
+        os.environ.setdefault(variable, value)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

@@ -279,10 +279,14 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path, inpu
         (["deepspeed.stage=5"], "deepspeed.stage: input should be 0, 1, 2 or 3, got 5"),
     ],
 )  # fmt: skip
-def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overrides, message):
-    """In-process (the checks run before the launcher); the CLI path is covered by the next two tests."""
+def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overrides, message, monkeypatch):
+    """In-process (the checks run before the launcher); the CLI path is covered by the next two tests. The ranks
+    started ahead get the environment a stage's process gives them, so that they fork from the session's rank server."""
+    from pipeline.core import quiet
     from stages import train as train_stage
 
+    for variable, value in quiet.ENVIRONMENT.items():
+        monkeypatch.setenv(variable, value)
     command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, *overrides])
     flags = {a.removeprefix("--").replace("-", "_"): v for a, v in zip(command[3::2], command[4::2], strict=True)}
     args = argparse.Namespace(**{k: v if k == "params" else Path(v) for k, v in flags.items()})
