@@ -26,16 +26,16 @@ or export any merged model by hand:
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    from pipeline.export.gguf import check_exportable, export_gguf
-    from pipeline.export.gguf_roundtrip import roundtrip
-
     x = cfg.export
-    if not x.gguf:
+    if not x.gguf:  # the default: nothing that imports torch (about 2 s of CPU a pipeline)
         with atomic_path(args.out) as tmp:
             tmp.mkdir()
             (tmp / "README.md").write_text(NOTE, encoding="utf-8")
         metrics = {"exported": False}
     else:
+        from pipeline.export.gguf import check_exportable, export_gguf
+        from pipeline.export.gguf_roundtrip import roundtrip
+
         check_exportable(args.merged, x.type)
         with atomic_path(args.out) as tmp:
             tmp.mkdir()

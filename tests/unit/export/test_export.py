@@ -5,9 +5,10 @@ refused before anything is written; the stage writes only a note when off."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -72,11 +73,14 @@ def test_bad_export_input_writes_nothing(tiny_base_dir, tmp_path):
 
 
 def test_stage_off_writes_only_a_note(tmp_path):
-    from stages import export as stage
-
+    """As DVC runs it, in a process that cannot import torch (tests/helpers/without_torch.py): off, it loads nothing."""
     raw = config.compose(REPO / "conf", ["tracking.uri="])
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
-    args = argparse.Namespace(merged=tmp_path / "nowhere", out=tmp_path / "gguf", metrics=tmp_path / "export.json")
-    assert stage.main(args, config.load(tmp_path / "params.yaml")) == {"exported": False}
+    command = [sys.executable, "-m", "tests.helpers.without_torch", "stages.export", "--merged", tmp_path / "nowhere",
+               "--out", tmp_path / "gguf", "--metrics", tmp_path / "export.json", "--params", tmp_path / "params.yaml",
+               "--run-id-file", tmp_path / "run.json"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_json(tmp_path / "export.json") == {"exported": False}
     assert [p.name for p in (tmp_path / "gguf").iterdir()] == ["README.md"]
     assert "dvc exp run -S export.gguf=true" in (tmp_path / "gguf" / "README.md").read_text()
