@@ -10,13 +10,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.core import config
+from pipeline.core import config, imports, stage_server
 from pipeline.core.errors import guarded
 from pipeline.core.quiet import quiet_third_parties
 from pipeline.tracking import execution
 from pipeline.tracking.mlflow_run import Tracker, flatten, numeric_leaves, runtime_tags
 
 Main = Callable[[argparse.Namespace, config.Config], "dict | None"]
+Hides = Callable[[config.Config], bool]
 
 
 def stage_name() -> str:
@@ -29,11 +30,16 @@ def pipeline_run(cfg: config.Config, run_id_file: Path) -> Tracker:
     return execution.pipeline_run(uri=cfg.tracking.uri, experiment=cfg.tracking.experiment, run_id_file=run_id_file)
 
 
-def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) -> None:
+def run(
+    main: Main, parser: argparse.ArgumentParser, prefix: str | None = None, *, hides_unused: Hides | None = None
+) -> None:
     """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2.
 
     With `prefix`, the stage logs into the pipeline's MLflow run: the flat config, runtime tags, `stage.NAME=ran`,
-    its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if `main` raises)."""
+    its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if `main` raises).
+    `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`). A stage
+    forked by a stage server, whose imports hid them, starts itself fresh where the run needs them, before doing
+    anything."""
     quiet_third_parties()
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     if prefix is not None:
@@ -42,6 +48,10 @@ def run(main: Main, parser: argparse.ArgumentParser, prefix: str | None = None) 
 
     def tracked() -> None:
         cfg = config.load(args.params)
+        if hides_unused is not None and hides_unused(cfg):
+            imports.without_unused()
+        elif imports.unused_hidden():
+            stage_server.start_fresh()
         if prefix is None:
             main(args, cfg)
             return

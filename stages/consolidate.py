@@ -39,4 +39,4 @@ if __name__ == "__main__":
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
     parser.add_argument("--dataset-metrics", type=Path, required=True, help="the dataset's figures (model card)")
     parser.add_argument("--train-metrics", type=Path, required=True, help="the training's figures (model card)")
-    run(main, parser, prefix="consolidate")
+    run(main, parser, prefix="consolidate", hides_unused=lambda cfg: True)  # nothing a checkpoint holds is quantized

@@ -7,7 +7,7 @@ QLoRA)."""
 import argparse
 from pathlib import Path
 
-from pipeline.core import config, imports
+from pipeline.core import config
 from pipeline.core.atomic import write_json
 from pipeline.core.log import logger
 from pipeline.data import eval_sets
@@ -20,10 +20,14 @@ from stages._common import run
 log = logger("eval")
 
 
+def hides_unused(cfg: config.Config) -> bool:
+    """No quantized base and no task: transformers would import scipy (about 1 s of CPU) for its object-detection
+    losses; tasks' metrics may need it (through scikit-learn)."""
+    return cfg.lora.quantization == "none" and not cfg.eval.tasks
+
+
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     e, d = cfg.eval, cfg.data
-    if cfg.lora.quantization == "none" and not e.tasks:  # transformers would import scipy (about 1 s of CPU) for
-        imports.without_unused()  # its object-detection losses; tasks' metrics may need it (through scikit-learn)
     specs = tasks.load_tasks(e.tasks, e.task_code)  # checked before any model is loaded
     sets = {name: eval_sets.read_set(args.sets / name) for name in e.sets}
     data_format = resolved_format(d.format, d.train_file, [s.format for s in d.sources])
@@ -83,4 +87,4 @@ if __name__ == "__main__":
         ("samples", "Markdown file of greedy samples"),
     ):
         parser.add_argument(f"--{name}", type=Path, required=True, help=meaning)
-    run(main, parser, prefix="eval")
+    run(main, parser, prefix="eval", hides_unused=hides_unused)

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from pipeline.core import config, imports
+from pipeline.core import config
 from pipeline.core.atomic import read_json, write_json
 from pipeline.core.log import logger
 from pipeline.export import model_card
@@ -13,9 +13,12 @@ from stages._common import run
 log = logger("merge")
 
 
+def hides_unused(cfg: config.Config) -> bool:
+    """A base not quantized needs no bitsandbytes (PEFT would import it, and it torch's compiler: about 1 s)."""
+    return cfg.lora.quantization == "none"
+
+
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    if cfg.lora.quantization == "none":  # PEFT would import bitsandbytes, and it torch's compiler: about 1 s
-        imports.without_unused()
     m = cfg.merge
     report = merge(
         base_dir=args.base,
@@ -45,4 +48,4 @@ if __name__ == "__main__":
     parser.add_argument("--metrics", type=Path, required=True, help="verification figures (DVC metrics)")
     parser.add_argument("--dataset-metrics", type=Path, required=True, help="the dataset's figures (model card)")
     parser.add_argument("--train-metrics", type=Path, required=True, help="the training's figures (model card)")
-    run(main, parser, prefix="merge")
+    run(main, parser, prefix="merge", hides_unused=hides_unused)

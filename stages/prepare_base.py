@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from pipeline.core import assets, config, imports
+from pipeline.core import assets, config
 from pipeline.core.atomic import write_json
 from pipeline.core.log import logger
 from pipeline.model.base_import import import_base
@@ -13,7 +13,6 @@ log = logger("prepare_base")
 
 
 def main(args: argparse.Namespace, cfg: config.Config) -> dict:
-    imports.without_unused()  # no import quantizes; transformers would import scipy for nothing (about 1 s of CPU)
     summary = import_base(
         source=assets.resolve(cfg.model.path),
         out_dir=args.out,
@@ -31,4 +30,5 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, required=True, help="HF model folder to write")
     parser.add_argument("--tokenizer-out", type=Path, required=True, help="copy of the base tokenizer alone")
     parser.add_argument("--metrics", type=Path, required=True, help="the imported model's figures (JSON)")
-    run(main, parser, prefix="base")
+    run(main, parser, prefix="base", hides_unused=lambda cfg: True)  # no import quantizes; transformers would import
+    # scipy for nothing (about 1 s of CPU)

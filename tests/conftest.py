@@ -213,24 +213,30 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def rank_servers(tmp_path_factory):
+def servers(tmp_path_factory):
     """The session's launches fork their ranks from servers that have done a rank's imports (about 5 s of CPU a rank,
-    `pipeline/launching/rank_server.py`); ended with the session. `TRAIN_RANK_SERVERS=off`: every rank fresh."""
+    `pipeline/launching/rank_server.py`), and the model stages from servers that have done a stage's (about 4 s,
+    `pipeline/core/stage_server.py`); ended with the session. `TRAIN_RANK_SERVERS=off` (`PIPELINE_STAGE_SERVERS=off`):
+    every rank (stage) fresh."""
     import signal
 
+    from pipeline.core import stage_server
     from pipeline.launching import rank_server
 
-    if os.environ.pop(rank_server.FOLDER, None) == "off":
-        yield None
-        return
-    folder = tmp_path_factory.mktemp("rank_servers")
-    (folder / "owner").write_text(str(os.getpid()))
-    os.environ[rank_server.FOLDER] = str(folder)
-    yield folder
-    del os.environ[rank_server.FOLDER]
-    for pid_file in folder.glob("*.pid"):
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    folders = []
+    for variable in (rank_server.FOLDER, stage_server.FOLDER):
+        if os.environ.pop(variable, None) == "off":
+            continue
+        folder = tmp_path_factory.mktemp(variable.lower().replace("_", "")[:12])  # a socket's path: 107 bytes
+        (folder / "owner").write_text(str(os.getpid()))
+        os.environ[variable] = str(folder)
+        folders.append((variable, folder))
+    yield dict(folders)
+    for variable, folder in folders:
+        del os.environ[variable]
+        for pid_file in folder.glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -126,3 +126,9 @@ def without_unused() -> None:
         return
     for name in UNUSED:
         sys.modules.setdefault(name, None)
+
+
+def unused_hidden() -> bool:
+    """Whether this process's imports were made with bitsandbytes and scipy absent (`without_unused`): they cannot be
+    imported here any more (a process forked by a stage server, core/stage_server.py)."""
+    return any(name in sys.modules and sys.modules[name] is None for name in UNUSED)

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.core import forking
 from pipeline.launching import rank_server
 from pipeline.launching.rank_server import SOURCES, key_inputs
 from tests.conftest import REPO
@@ -64,8 +65,8 @@ def test_a_forked_rank_imports_from_its_request_folder_once_the_server_copy_is_g
 
 
 # A server without a rank's imports (what it serves is the same), idling out within a second
-SERVER = [sys.executable, "-c", "import os; from pipeline.launching import rank_server as r;"
-          " r.IDLE_S, r.POLL_S = 1, 0.1; r.serve(os.environ[r.SERVE])"]  # fmt: skip
+SERVER = [sys.executable, "-c", "import os; from pipeline.core import forking as f; from pipeline.launching import"
+          " rank_server as r; f.IDLE_S, f.POLL_S = 1, 0.1; r.serve(os.environ[r.SERVE])"]  # fmt: skip
 
 
 def test_a_server_that_ends_gives_its_place_back_and_its_key_gets_one_again(tmp_path, tmp_path_factory, monkeypatch):
@@ -74,7 +75,7 @@ def test_a_server_that_ends_gives_its_place_back_and_its_key_gets_one_again(tmp_
     the sources it kept); one killed without withdrawing is replaced."""
     folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes
     monkeypatch.chdir(copy_sources(tmp_path / "project"))
-    monkeypatch.setattr(rank_server, "MAX_SERVERS", 1)
+    monkeypatch.setattr(forking, "MAX_SERVERS", 1)
     inputs = {"env": dict(os.environ), "sources": "digest"}
     first, second = folder / "first.sock", folder / "second.sock"
 
