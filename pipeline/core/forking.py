@@ -59,7 +59,8 @@ class Forked:
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # it has just ended: its monitor reaps it
+                os.kill(self.pid, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -100,12 +101,16 @@ def request(path: Path, message: dict, fds: list[int]) -> Forked | None:
     except OSError:  # none yet, or one that has ended
         connection.close()
         return None
-    socket.send_fds(connection, [json.dumps(message).encode()], fds)
-    connection.settimeout(60)
-    pid = connection.recv(32)
-    connection.settimeout(None)
-    if not pid:
-        raise RuntimeError(f"the server of {path} forked nothing: see {path.with_suffix('.log')}")
+    try:
+        socket.send_fds(connection, [json.dumps(message).encode()], fds)
+        connection.settimeout(60)
+        pid = connection.recv(32)
+        connection.settimeout(None)
+        if not pid:
+            raise RuntimeError(f"the server of {path} forked nothing: see {path.with_suffix('.log')}")
+    except BaseException:
+        connection.close()  # what the server may have forked ends with it (its monitor sees the requester go)
+        raise
     return Forked(connection, int(pid))
 
 

@@ -45,7 +45,11 @@ def hand_over(served: tuple[str, ...]) -> None:
     inputs = key_inputs(dict(os.environ))
     path = forking.socket_path(folder, inputs)
     message = {"argv": argv[1:], "env": dict(os.environ), "pgid": os.getpgrp(), "cwd": os.getcwd()}
-    forked = forking.request(path, message, [0, 1, 2])
+    try:
+        forked = forking.request(path, message, [0, 1, 2])
+    except (OSError, RuntimeError) as failed:  # a server that stopped answering: nothing of it runs on
+        print(f"stage server {path}: {failed}; the stage starts fresh", file=sys.stderr)
+        return
     if forked is None:
         env = {**inputs["env"], SERVE: str(path)}
         with contextlib.suppress(OSError):  # a full disk: fresh, as without servers
@@ -55,8 +59,10 @@ def hand_over(served: tuple[str, ...]) -> None:
         signal.signal(signum, lambda received, _frame: forked.send_signal(received))
     code = forked.wait()
     if code < 0:  # ended by a signal: so is this process
-        signal.signal(-code, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL's cannot be set (nor needs to be)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        code = 128 - code  # as a shell reports it, where the signal did not end this process
     os._exit(code)
 
 

@@ -112,6 +112,10 @@ def test_signals_reach_a_forked_stage_and_it_ends_with_the_process_dvc_started(s
     assert stage.wait(timeout=30) == -signal.SIGTERM, "ended by the signal, as the fresh stage would be"
     stage = start(first, "sleep", "0")
     stage.stdin.close()
+    os.kill(json.loads(stage.stdout.readline())["pid"], signal.SIGKILL)  # the stage itself killed (out of memory)
+    assert stage.wait(timeout=30) == -signal.SIGKILL
+    stage = start(first, "sleep", "0")
+    stage.stdin.close()
     forked = json.loads(stage.stdout.readline())
     stage.kill()  # no signal to pass on: the server's monitor sees it go
     stage.wait()
