@@ -23,6 +23,8 @@ from pipeline.core import forking
 
 FOLDER = "PIPELINE_STAGE_SERVERS"  # where servers listen (one socket per key); unset: every stage starts fresh
 SERVE = "PIPELINE_STAGE_SERVE"  # in a server's environment: the socket it listens on
+REQUESTER = "PIPELINE_STAGE_REQUESTER"  # in a forked stage's: the pid of the process DVC started, whose ancestors
+# are the stage's (tracking/execution.py finds the pipeline execution among them)
 SOURCES = ("pipeline", "stages")  # what a served stage imports from its project's folder
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -30,7 +32,7 @@ RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.
 def key_inputs(env: dict[str, str]) -> dict:
     """What the server's imports depend on."""
     folder = Path.cwd()
-    return {"command": [sys.executable, "-m", __name__], "env": forking.key_environment(env, skip=(FOLDER,)),
+    return {"command": [sys.executable, "-m", __name__], "env": forking.key_environment(env, skip=(FOLDER, REQUESTER)),
             "session": os.getsid(0), "python": sys.executable,
             "sources": forking.sources_digest(*(folder / s for s in SOURCES))}  # fmt: skip
 
@@ -44,16 +46,17 @@ def hand_over(served: tuple[str, ...]) -> None:
         return
     inputs = key_inputs(dict(os.environ))
     path = forking.socket_path(folder, inputs)
-    message = {"argv": argv[1:], "env": dict(os.environ), "pgid": os.getpgrp(), "cwd": os.getcwd()}
+    env = {**os.environ, REQUESTER: str(os.getpid())}
+    message = {"argv": argv[1:], "env": env, "pgid": os.getpgrp(), "cwd": os.getcwd()}
     try:
         forked = forking.request(path, message, [0, 1, 2])
     except (OSError, RuntimeError) as failed:  # a server that stopped answering: nothing of it runs on
         print(f"stage server {path}: {failed}; the stage starts fresh", file=sys.stderr)
         return
     if forked is None:
-        env = {**inputs["env"], SERVE: str(path)}
         with contextlib.suppress(OSError):  # a full disk: fresh, as without servers
-            forking.start_server(path, command=inputs["command"], env=env, inputs=inputs, cwd=Path.cwd())
+            forking.start_server(path, command=inputs["command"], env={**inputs["env"], SERVE: str(path)},
+                                 inputs=inputs, cwd=Path.cwd())  # fmt: skip
         return
     for signum in RELAYED:
         signal.signal(signum, lambda received, _frame: forked.send_signal(received))

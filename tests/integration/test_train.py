@@ -113,7 +113,7 @@ def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
             assert time.monotonic() < deadline and stage.poll() is None, log.read_text()
             time.sleep(0.1)
         rank_1 = [line for line in log.read_text().splitlines() if line.endswith("--local_rank=1")][-1]
-        os.kill(int(rank_1.split(" rank ")[1].split()[0]), signal.SIGKILL)
+        os.kill(int(rank_1.split(": ")[1].split()[0]), signal.SIGKILL)  # "server PID: RANK_PID forked, ARGS"
         output, _ = stage.communicate(timeout=120)
         assert stage.returncode != 0 and "the DeepSpeed ranks failed (exit -9)" in output, output[-3000:]
     finally:
