@@ -212,6 +212,19 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def same_environment():
+    """Each test's processes start from the environment the session's fixtures set, not from what an earlier test's
+    imports wrote into this worker's `os.environ` (lm_eval HF_XET_HIGH_PERFORMANCE, scikit-learn and inductor
+    KMP_DUPLICATE_LIB_OK, launching/ops.py TORCH_EXTENSIONS_DIR): a server's key holds the environment, so every such
+    drift started new servers and forked fewer stages and ranks. Fixtures of a wider scope are set up before this."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before):
+        del os.environ[name]
+    os.environ.update((name, value) for name, value in before.items() if os.environ.get(name) != value)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def servers(tmp_path_factory):
     """The session's launches fork their ranks from servers that have done a rank's imports (about 5 s of CPU a rank,
