@@ -1,8 +1,12 @@
 // The CPU kernels of pipeline/kernels/cpp.py: one pass where PyTorch's operators would make several over memory (the
 // attention's softmax and its gradient, the loss's softmax cross-entropy, SwiGLU's product, RMSNorm). Plain loops for the compiler
 // to vectorize (-O3 -march=native -fopenmp-simd).
-#include <torch/extension.h>
+// The headers used and no more (pybind11 with torch's tensor casters, two operators): with <torch/extension.h> (the
+// whole C++ frontend, 27 s to parse) a build took about 40 s of one core, with these 17 (the tests build every path).
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -116,27 +120,27 @@ void grad_scores_impl(const T* p, const T* g, T* res, int64_t rows, int64_t keys
 }  // namespace
 
 // The attention's probabilities (bf16 or fp32 scores, the same dtype out); see probs_impl.
-torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Tensor> mask, int64_t queries,
+at::Tensor probs(at::Tensor scores, double scale, c10::optional<at::Tensor> mask, int64_t queries,
                     int64_t kv_heads, int64_t offset, bool causal) {
   TORCH_CHECK(scores.is_contiguous() && scores.dim() == 3 && (causal || mask.has_value()));
-  auto out = torch::empty_like(scores);
+  auto out = at::empty_like(scores);
   const int64_t batches = scores.size(0), rows = scores.size(1), keys = scores.size(2);
   const bool* m = nullptr;
   int64_t mask_batches = 0, mask_queries = 0, mask_keys = 0;
-  torch::Tensor mask_c;
+  at::Tensor mask_c;
   if (mask.has_value()) {
     mask_c = mask->contiguous();
     mask_queries = mask_c.size(-2), mask_keys = mask_c.size(-1);
-    TORCH_CHECK(mask_c.scalar_type() == torch::kBool && mask_keys >= keys && mask_queries >= offset + queries);
+    TORCH_CHECK(mask_c.scalar_type() == at::kBool && mask_keys >= keys && mask_queries >= offset + queries);
     m = mask_c.data_ptr<bool>();
     mask_batches = mask_c.numel() / (mask_queries * mask_keys);
   }
   const float s = static_cast<float>(scale);
-  if (scores.scalar_type() == torch::kBFloat16) {
+  if (scores.scalar_type() == at::kBFloat16) {
     probs_impl(reinterpret_cast<const uint16_t*>(scores.data_ptr()), reinterpret_cast<uint16_t*>(out.data_ptr()), m,
                mask_batches, mask_queries, mask_keys, batches, rows, keys, queries, kv_heads, offset, causal, s);
   } else {
-    TORCH_CHECK(scores.scalar_type() == torch::kFloat, "scores in bf16 or fp32");
+    TORCH_CHECK(scores.scalar_type() == at::kFloat, "scores in bf16 or fp32");
     probs_impl(scores.data_ptr<float>(), out.data_ptr<float>(), m, mask_batches, mask_queries, mask_keys, batches,
                rows, keys, queries, kv_heads, offset, causal, s);
   }
@@ -144,17 +148,17 @@ torch::Tensor probs(torch::Tensor scores, double scale, c10::optional<torch::Ten
 }
 
 // The softmax's gradient (bf16 or fp32); see grad_scores_impl.
-torch::Tensor grad_scores(torch::Tensor probs, torch::Tensor grad_probs) {
+at::Tensor grad_scores(at::Tensor probs, at::Tensor grad_probs) {
   TORCH_CHECK(probs.scalar_type() == grad_probs.scalar_type() && probs.sizes() == grad_probs.sizes());
   TORCH_CHECK(probs.is_contiguous() && grad_probs.is_contiguous());
-  auto out = torch::empty_like(probs);
+  auto out = at::empty_like(probs);
   const int64_t keys = probs.size(-1), rows = probs.numel() / keys;
-  if (probs.scalar_type() == torch::kBFloat16) {
+  if (probs.scalar_type() == at::kBFloat16) {
     grad_scores_impl(reinterpret_cast<const uint16_t*>(probs.data_ptr()),
                      reinterpret_cast<const uint16_t*>(grad_probs.data_ptr()),
                      reinterpret_cast<uint16_t*>(out.data_ptr()), rows, keys);
   } else {
-    TORCH_CHECK(probs.scalar_type() == torch::kFloat, "probabilities in bf16 or fp32");
+    TORCH_CHECK(probs.scalar_type() == at::kFloat, "probabilities in bf16 or fp32");
     grad_scores_impl(probs.data_ptr<float>(), grad_probs.data_ptr<float>(), out.data_ptr<float>(), rows, keys);
   }
   return out;
@@ -196,16 +200,16 @@ void cross_entropy_rows_impl(T* logits, const int64_t* targets, float* losses, i
 
 // Softmax cross-entropy of each row of `logits` (rows x vocabulary, bf16 or fp32) against its target: the rows'
 // losses (fp32); with write_grad, each row then holds softmax - one-hot (the loss's gradient), in its own dtype.
-torch::Tensor cross_entropy_rows(torch::Tensor logits, torch::Tensor targets, bool write_grad) {
-  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == torch::kLong);
+at::Tensor cross_entropy_rows(at::Tensor logits, at::Tensor targets, bool write_grad) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && targets.scalar_type() == at::kLong);
   TORCH_CHECK(targets.is_contiguous() && targets.numel() == logits.size(0));
-  auto losses = torch::empty({logits.size(0)}, logits.options().dtype(torch::kFloat));
+  auto losses = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  if (logits.scalar_type() == torch::kBFloat16) {
+  if (logits.scalar_type() == at::kBFloat16) {
     cross_entropy_rows_impl(reinterpret_cast<uint16_t*>(logits.data_ptr()), targets.data_ptr<int64_t>(),
                             losses.data_ptr<float>(), rows, vocab, write_grad);
   } else {
-    TORCH_CHECK(logits.scalar_type() == torch::kFloat, "logits in bf16 or fp32");
+    TORCH_CHECK(logits.scalar_type() == at::kFloat, "logits in bf16 or fp32");
     cross_entropy_rows_impl(logits.data_ptr<float>(), targets.data_ptr<int64_t>(), losses.data_ptr<float>(), rows,
                             vocab, write_grad);
   }
@@ -294,30 +298,30 @@ void rms_norm_backward_impl(const T* grad, const T* x, const T* weight, const fl
 }
 
 template <typename F>
-void by_dtype(const torch::Tensor& t, F f) {
-  if (t.scalar_type() == torch::kBFloat16) {
+void by_dtype(const at::Tensor& t, F f) {
+  if (t.scalar_type() == at::kBFloat16) {
     f(static_cast<uint16_t*>(nullptr));
   } else {
-    TORCH_CHECK(t.scalar_type() == torch::kFloat, "tensors in bf16 or fp32");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "tensors in bf16 or fp32");
     f(static_cast<float*>(nullptr));
   }
 }
 
 template <typename T>
-T* data(const torch::Tensor& t) {
+T* data(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
 }
 
-void check_same(const torch::Tensor& a, const torch::Tensor& b) {
+void check_same(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes());
 }
 
 }  // namespace
 
 // silu(gate) * up (SwiGLU's product), in the tensors' dtype
-torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+at::Tensor silu_mul(at::Tensor gate, at::Tensor up) {
   check_same(gate, up);
-  auto out = torch::empty_like(gate);
+  auto out = at::empty_like(gate);
   by_dtype(gate, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_mul_impl(data<T>(gate), data<T>(up), data<T>(out), gate.numel());
@@ -326,10 +330,10 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
 }
 
 // The gradients of silu(gate) * up for gate and up
-std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor gate, torch::Tensor up) {
+std::vector<at::Tensor> silu_mul_backward(at::Tensor grad, at::Tensor gate, at::Tensor up) {
   check_same(gate, up);
   check_same(grad, gate);
-  auto grad_gate = torch::empty_like(gate), grad_up = torch::empty_like(up);
+  auto grad_gate = at::empty_like(gate), grad_up = at::empty_like(up);
   by_dtype(gate, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     silu_mul_backward_impl(data<T>(grad), data<T>(gate), data<T>(up), data<T>(grad_gate), data<T>(grad_up),
@@ -339,12 +343,12 @@ std::vector<torch::Tensor> silu_mul_backward(torch::Tensor grad, torch::Tensor g
 }
 
 // LLaMA's RMSNorm over the last dimension: weight * (x * rsqrt(mean(x^2) + eps)), and each row's reciprocal RMS
-std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+std::vector<at::Tensor> rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.scalar_type() == weight.scalar_type());
   const int64_t width = x.size(-1), rows = x.numel() / width;
   TORCH_CHECK(weight.numel() == width);
-  auto out = torch::empty_like(x);
-  auto rms = torch::empty({rows}, x.options().dtype(torch::kFloat));
+  auto out = at::empty_like(x);
+  auto rms = at::empty({rows}, x.options().dtype(at::kFloat));
   by_dtype(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rms_norm_impl(data<T>(x), data<T>(weight), data<T>(out), rms.data_ptr<float>(), rows, width,
@@ -354,11 +358,11 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, doubl
 }
 
 // The gradient of rms_norm for x (the weight's, where trained, is the caller's)
-torch::Tensor rms_norm_backward(torch::Tensor grad, torch::Tensor x, torch::Tensor weight, torch::Tensor rms) {
+at::Tensor rms_norm_backward(at::Tensor grad, at::Tensor x, at::Tensor weight, at::Tensor rms) {
   check_same(grad, x);
   TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() && rms.is_contiguous());
   const int64_t width = x.size(-1), rows = x.numel() / width;
-  auto grad_x = torch::empty_like(x);
+  auto grad_x = at::empty_like(x);
   by_dtype(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     rms_norm_backward_impl(data<T>(grad), data<T>(x), data<T>(weight), rms.data_ptr<float>(), data<T>(grad_x), rows,
