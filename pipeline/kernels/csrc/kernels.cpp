@@ -121,7 +121,7 @@ void grad_scores_impl(const T* p, const T* g, T* res, int64_t rows, int64_t keys
 
 // The attention's probabilities (bf16 or fp32 scores, the same dtype out); see probs_impl.
 at::Tensor probs(at::Tensor scores, double scale, c10::optional<at::Tensor> mask, int64_t queries,
-                    int64_t kv_heads, int64_t offset, bool causal) {
+                 int64_t kv_heads, int64_t offset, bool causal) {
   TORCH_CHECK(scores.is_contiguous() && scores.dim() == 3 && (causal || mask.has_value()));
   auto out = at::empty_like(scores);
   const int64_t batches = scores.size(0), rows = scores.size(1), keys = scores.size(2);
