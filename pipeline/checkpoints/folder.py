@@ -160,10 +160,10 @@ def _rng_problem(state: object) -> str | None:
         return "numpy: expected a position in [0, 624], has_gauss 0 or 1 and a float"
     size = torch.get_rng_state().numel()
     if not _bytes_like(state["torch"], size):
-        return f"torch: expected a uint8 tensor of {size} bytes"
+        return f"torch: expected a contiguous uint8 tensor of {size} bytes"
     cuda = state.get("cuda", [])
     if type(cuda) is not list or not all(_bytes_like(s, CUDA_RNG_BYTES) for s in cuda):
-        return f"cuda: expected a list of uint8 tensors of {CUDA_RNG_BYTES} bytes"
+        return f"cuda: expected a list of contiguous uint8 tensors of {CUDA_RNG_BYTES} bytes"
     return None
 
 
@@ -173,10 +173,10 @@ def _ints(values, low: int, high: int) -> bool:
 
 
 def _bytes_like(value: object, size: int) -> bool:
-    """A CPU uint8 vector of `size` bytes."""
+    """A contiguous CPU uint8 vector of `size` bytes (a pickle can give a tensor any stride; generators refuse those)."""
     if type(value) is not torch.Tensor or value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
         return False
-    return value.numel() == size
+    return value.numel() == size and value.is_contiguous()
 
 
 def set_rng_state(state: dict) -> None:
