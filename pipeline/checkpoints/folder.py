@@ -173,7 +173,7 @@ def _ints(values, low: int, high: int) -> bool:
 
 
 def _bytes_like(value: object, size: int) -> bool:
-    """A contiguous CPU uint8 vector of `size` bytes (a pickle can give a tensor any stride; generators refuse those)."""
+    """A contiguous CPU uint8 vector of `size` bytes (a pickle can give a tensor any stride; generators refuse it)."""
     if type(value) is not torch.Tensor or value.dtype != torch.uint8 or value.dim() != 1 or value.device.type != "cpu":
         return False
     return value.numel() == size and value.is_contiguous()

@@ -119,8 +119,19 @@ def queued(project, tiny_pipeline) -> list:
     assert status.count("Success") == 2, status
     names = [line.split()[1] for line in status.splitlines() if "Success" in line]
     found = [r for r in runs(project) if r.data.tags.get("dvc.experiment") in names]
-    assert len(found) == 2, f"one MLflow run per queued experiment {names}"
+    assert len(found) == 2, f"one MLflow run per queued experiment {names}:\n{described(found, names, project)}"
     return found
+
+
+def described(found: list, names: list[str], project: Path) -> str:
+    """The runs of a failed sweep check, each with its stages, and the tail of each experiment's queue log."""
+    lines = [
+        f"{r.info.run_id} {r.data.tags.get('dvc.experiment')} {r.info.status} {r.info.start_time}-{r.info.end_time} "
+        + ",".join(sorted(k.removeprefix("stage.") for k in r.data.tags if k.startswith("stage.")))
+        for r in sorted(found, key=lambda r: r.info.start_time)
+    ]
+    logs = [sh(["dvc", "queue", "logs", name], project, check=False).stdout[-3000:] for name in names]
+    return "\n".join(lines + logs)
 
 
 def test_dvc_queue_sweep_is_one_mlflow_run_per_experiment(project, queued):

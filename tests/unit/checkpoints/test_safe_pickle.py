@@ -238,7 +238,7 @@ def test_rng_state_is_checked_against_its_schema(tmp_path):
         ({**state, "numpy": (state["numpy"][0], state["numpy"][1][:10], *state["numpy"][2:])}, "uint32 array of 624"),
         ({**state, "python": (3, (2**40,) * 625, None)}, "624 uint32 words"),
         ({**state, "extra": 1}, "expected a dict of python"),
-        ({**state, "cuda": [torch.zeros(17, dtype=torch.uint8)]}, "cuda: expected a list of contiguous uint8 tensors of 16"),
+        ({**state, "cuda": [torch.zeros(17, dtype=torch.uint8)]}, "contiguous uint8 tensors of 16"),
     ):
         torch.save(broken, path)
         with pytest.raises(ValueError, match=problem):
