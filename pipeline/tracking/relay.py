@@ -50,7 +50,10 @@ def open_relayed(**kwargs: Any) -> Tracker:
     try:
         address = _address(database)
         request = {"op": "open", "kwargs": {**kwargs, **{k: str(v) for k, v in paths.items()}}}
-        opened = _ask(address, request, start=database)
+        opened = _ask(address, request, start=database, reply_s=REPLY_S)
+    except Busy as busy:  # it may still open the run: a second one opened here would be a duplicate
+        mlflow_run.warn(f"opening a run on {mlflow_run.redact(uri)}", busy)
+        return Tracker(uri=uri)
     except Exception:  # no relay (its folder unwritable, another one starting past START_S): the stage logs itself
         opened = None
     if opened is None or opened.get("stale"):
@@ -106,12 +109,13 @@ class Relayed(Tracker):
             return None
         request = {"op": "call", "run_id": self.run_id, "uri": self.uri, "method": method, "arguments": arguments}
         reply_s = None if method in COPIES else REPLY_S
+        gone: OSError = ConnectionError("relay gone")
         try:  # a relay that idled out is started again
             answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri), reply_s=reply_s)
-        except OSError:  # none can start again (its folder, the start's lock): as one gone, never the stage's end
-            answer = None
+        except OSError as failed:  # busy past reply_s, or none can start again (its folder, the start's lock)
+            answer, gone = None, failed if isinstance(failed, Busy) else gone
         if answer is None or answer.get("stale"):
-            mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", ConnectionError("relay gone"))
+            mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", gone)
             self.client = None
             return None
         if answer["disabled"]:
@@ -137,9 +141,15 @@ def _address(database: Path) -> Path:
     return folder / (hashlib.sha1("\n".join(key).encode()).hexdigest()[:24] + ".sock")
 
 
-def _ask(address: Path, request: dict, *, start: Path | None = None, reply_s: float | None = REPLY_S) -> dict | None:
+class Busy(TimeoutError):
+    """A relay took the call but gave no answer within its reply time: it may still carry the call out, so it is
+    neither sent again nor replaced by another relay."""
+
+
+def _ask(address: Path, request: dict, *, start: Path | None, reply_s: float | None) -> dict | None:
     """The relay's answer to `request` (its warnings printed here) within `reply_s` (None: as long as the relay
-    lives), starting it for `start` (the store) if none answers; None where none can."""
+    lives), starting it for `start` (the store) if none takes the call; None where none can; Busy where one took it
+    and did not answer in time."""
     answer = _exchange(address, request, reply_s)
     if answer is None and start is not None:
         from filelock import FileLock
@@ -153,16 +163,23 @@ def _ask(address: Path, request: dict, *, start: Path | None = None, reply_s: fl
     return answer
 
 
-def _exchange(address: Path, request: dict, reply_s: float | None = REPLY_S) -> dict | None:
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(reply_s)
+def _exchange(address: Path, request: dict, reply_s: float | None) -> dict | None:
+    """The answer of the relay on `address`; None where none listens there or it ended before answering."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(START_S)
+        try:
             sock.connect(str(address))
             sock.sendall(json.dumps(request).encode() + b"\n")
+        except OSError:  # no socket, nobody listening on it, or a relay that ended as the call came
+            return None
+        sock.settimeout(reply_s)
+        try:
             with sock.makefile("rb") as reply:
                 line = reply.readline()
-    except OSError:
-        return None
+        except TimeoutError:
+            raise Busy(f"the relay on {address} gave no answer within {reply_s:.0f} s") from None
+        except OSError:
+            return None
     return json.loads(line) if line else None
 
 

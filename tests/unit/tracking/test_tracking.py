@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -267,6 +269,47 @@ def test_a_relay_that_cannot_start_again_warns_once_and_never_fails_the_stage(
     assert err.splitlines() == [f"{warning}; going on without MLflow"], err
 
 
+@pytest.fixture
+def busy_relay(tmp_path: Path):
+    """A relay's socket whose relay takes every call and never answers (one busy past the reply time)."""
+    address = tmp_path / "busy.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(address))
+    listener.listen(8)
+    taken: list[socket.socket] = []
+    threading.Thread(target=lambda: taken.extend(iter(lambda: listener.accept()[0], None)), daemon=True).start()
+    yield address, taken
+    for connection in taken:
+        connection.close()
+    listener.close()
+
+
+def test_a_busy_relay_is_neither_asked_again_nor_replaced_and_opens_no_second_run(
+    tmp_path: Path, busy_relay, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+):
+    """A relay that took a call and has not answered may still carry it out: opening the run here too (or starting
+    another relay on its socket) would make a second run of the execution, sending a call again would log it twice.
+    The stage warns and goes on untracked; the busy relay keeps its socket."""
+    from pipeline.tracking import relay
+
+    address, taken = busy_relay
+    monkeypatch.setattr(relay, "REPLY_S", 0.3)
+    monkeypatch.setattr(relay, "_address", lambda database: address)
+    database = tmp_path / "mlruns.db"  # the module's empty store
+    tracker = open_relayed(uri=f"sqlite:///{database}", experiment="lora", run_id_file=tmp_path / "run.json")
+    assert type(tracker) is Tracker and tracker.disabled and tracker.run_id is None
+    tracked = Relayed(address=address, run_id="0" * 32, uri=f"sqlite:///{database}")
+    tracked.log_metrics({"loss": 1.0}, step=1)
+    tracked.log_params({"lora.r": 8})  # after the first failure: nothing sent
+    assert tracked.disabled and len(taken) == 2, "each call sent once, to the busy relay only"
+    assert address.is_socket() and not (tmp_path / "run.json").exists()
+    assert client().search_runs([e.experiment_id for e in client().search_experiments()]) == [], "no run opened"
+    assert not (address.parent / "starting.lock").exists(), "no relay started beside the busy one"
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 2 and all("gave no answer within 0 s" in line for line in err), err
+    assert err[0].startswith("tracking: opening a run on sqlite:///") and "log_series" in err[1]
+
+
 def test_context_manager_marks_failed_run():
     with pytest.raises(RuntimeError), open_run(URI, "lora", Path("run.json")) as tracker:
         raise RuntimeError("out of memory")
@@ -305,6 +348,7 @@ def test_locked_database_is_retried():
 
 WRITER = """
 import sys
+import threading
 from pathlib import Path
 from pipeline.tracking.mlflow_run import open_run
 
