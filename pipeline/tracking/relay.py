@@ -112,8 +112,10 @@ class Relayed(Tracker):
         gone: OSError = ConnectionError("relay gone")
         try:  # a relay that idled out is started again
             answer = _ask(self.client, request, start=mlflow_run.sqlite_file(self.uri), reply_s=reply_s)
-        except OSError as failed:  # busy past reply_s, or none can start again (its folder, the start's lock)
-            answer, gone = None, failed if isinstance(failed, Busy) else gone
+        except Busy as busy:  # it may still carry the call out: not sent again
+            answer, gone = None, busy
+        except OSError:  # none can start again (its folder, the start's lock): as one gone, never the stage's end
+            answer = None
         if answer is None or answer.get("stale"):
             mlflow_run.warn(f"{method} on {mlflow_run.redact(self.uri)} failed", gone)
             self.client = None
@@ -177,7 +179,7 @@ def _exchange(address: Path, request: dict, reply_s: float | None) -> dict | Non
             with sock.makefile("rb") as reply:
                 line = reply.readline()
         except TimeoutError:
-            raise Busy(f"the relay on {address} gave no answer within {reply_s:.0f} s") from None
+            raise Busy(f"the relay on {address} gave no answer within {reply_s:g} s") from None
         except OSError:
             return None
     return json.loads(line) if line else None
