@@ -36,6 +36,7 @@ RELAYED = (  # the Tracker methods a relayed one sends (describe and log_metrics
     "log_params", "set_tags", "log_series", "log_artifact", "logged", "logged_steps", "tag_experiment", "log_datasets",
     "register_model", "close",
 )  # fmt: skip
+SKINNY = ("pandas", "scipy", "pyarrow")  # imported by MLflow where installed; the relay's calls use none of them
 COPIES = ("log_artifact",)  # as long as the files take to copy: no reply time limit (a relay that dies ends it)
 
 
@@ -292,5 +293,15 @@ def _answer(request: dict, client: Any) -> dict:
     return {"disabled": tracker.disabled, "result": result}
 
 
+def skinny() -> None:
+    """Make this process's MLflow import as mlflow-skinny (which has none of SKINNY) does: MLflow imports each only
+    where it is installed, and a tracking client's calls need none. `import mlflow` then costs 101 MB and 2 s instead
+    of 183 MB and 8 s (the SQL store's 50 MB come on top either way). For a process that imports no other library:
+    a later import of one of them fails."""
+    for name in SKINNY:
+        sys.modules.setdefault(name, None)  # None: `import name` raises ImportError, as where it is not installed
+
+
 if __name__ == "__main__":
+    skinny()
     serve(Path(sys.argv[1]), Path(sys.argv[2]))
