@@ -62,7 +62,41 @@ def working_in(folder: Path) -> list[psutil.Process]:
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now (one node)."""
+    """A TCP port free on this machine now (one node) for a rendezvous, below the kernel's range of ephemeral ports.
+    A port from that range (what binding port 0 gives) can, once its probe closes, become the local port of any
+    process's next outgoing connection (a gloo pair, a store's client) before rank 0 listens on it, and rank 0 then
+    fails with EADDRINUSE. Below the range, a port is taken only by whoever binds it. Drawn at random, so that two
+    launches at once rarely draw the same one. Where the range leaves no room below it, the kernel's choice."""
+    import random
+
+    low = ephemeral_ports()[0]
+    if low - PORTS_FROM >= 1024:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            if port_free(port := draw.randrange(PORTS_FROM, low)):
+                return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+PORTS_FROM = 20000  # the lowest port a rendezvous takes: above the registered services most machines run
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(n) for n in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def port_free(port: int) -> bool:
+    """Whether `port` can be bound on the loopback address now."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

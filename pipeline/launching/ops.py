@@ -12,7 +12,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from pipeline.core.environment import clear_stale_build_locks, extensions_dir
+from pipeline.core.environment import clear_stale_build_locks, extensions_dir, port_free
 
 
 def before_launch() -> None:
@@ -32,19 +32,10 @@ def remove_stale_shm_buffers() -> list[Path]:
     removed = []
     for path in SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
         *_, addr, port, _rank = path.name.split("_")
-        if addr in ("127.0.0.1", "localhost", socket.gethostname()) and port.isdigit() and _port_free(int(port)):
+        if addr in ("127.0.0.1", "localhost", socket.gethostname()) and port.isdigit() and port_free(int(port)):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def build_ops() -> None:

@@ -42,10 +42,15 @@ def join(*, hosts: Sequence[str], ranks_per_node: int, timeout_s: float) -> None
     try:
         store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=short, wait_for_workers=False)
     except (RuntimeError, dist.DistError) as err:
+        if rank == 0 and "EADDRINUSE" in str(err):
+            raise ValueError(
+                f"train: node 0 ({hosts[0]}) cannot listen on {where} for the rendezvous: another process holds port "
+                f"{port} (launcher.master_port: a free port, or null for one chosen at each launch)"
+            ) from None
         raise ValueError(
-            f"train: {node_of(rank, hosts=hosts, ranks_per_node=ranks_per_node)} reached no rendezvous at {where} "
-            f"within {timeout_s:g} s ({hint}): node 0 ({hosts[0]}) has not started its ranks, or this node cannot "
-            f"reach it ({type(err).__name__})"
+            f"train: rank {rank} of {node_of(rank, hosts=hosts, ranks_per_node=ranks_per_node)} reached no "
+            f"rendezvous at {where} within {timeout_s:g} s ({hint}): node 0 ({hosts[0]}) has not started its "
+            f"ranks, or this node cannot reach it ({type(err).__name__})"
         ) from None
     store.set(KEY.format(rank), socket.gethostname())
     try:

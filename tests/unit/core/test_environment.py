@@ -1,14 +1,15 @@
 """The environment a subprocess gets (pipeline/core/environment.py): this interpreter's bin folder first on PATH,
-once, however often it is asked for (a rank server's key is the environment: one launch, one key). And the set-up's
-DVC reads YAML in C."""
+once, however often it is asked for (a rank server's key is the environment: one launch, one key); a rendezvous port
+no outgoing connection can take. And the set-up's DVC reads YAML in C."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
-from pipeline.core.environment import with_venv_path
+from pipeline.core.environment import PORTS_FROM, ephemeral_ports, free_port, port_free, with_venv_path
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -34,3 +35,15 @@ def test_dvc_reads_dvc_yaml_and_dvc_lock_with_ruamel_s_c_parser():
     assert CParser is not None and YAML(typ="safe").Parser is CParser, "ruamel.yaml.clib is not installed"
     text = (REPO / "dvc.yaml").read_text(encoding="utf-8")
     assert parse_yaml(text, "dvc.yaml") == YAML(typ="safe", pure=True).load(text), "the C parser reads what Python does"
+
+
+def test_a_rendezvous_port_is_one_no_outgoing_connection_can_take():
+    """Ports of the kernel's ephemeral range go to outgoing connections' local ends; a rendezvous port is drawn below
+    it (and free), so that nothing but its rank 0 takes it between the draw and the listen."""
+    low, high = ephemeral_ports()
+    assert PORTS_FROM + 1024 <= low < high
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as client:
+        assert low <= client.getsockname()[1] <= high, "a connection's local port comes from the range"
+    ports = [free_port() for _ in range(32)]
+    assert all(PORTS_FROM <= port < low and port_free(port) for port in ports), ports
+    assert len(set(ports)) > 16, "drawn at random: two launches at once do not pick the same port"
