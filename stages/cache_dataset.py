@@ -80,7 +80,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer folder")
-    parser.add_argument("--base-config", type=Path, required=True, help="base model config.json")
+    parser.add_argument("--base-config", type=Path, required=True, help="JSON with the base's max_position_embeddings")
     parser.add_argument("--out", type=Path, required=True, help="dataset folder to write")
     parser.add_argument("--metrics", type=Path, required=True, help="metrics JSON to write")
     parser.add_argument("--workers", type=int, default=0, help="tokenizing processes (default: one per core)")

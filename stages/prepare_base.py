@@ -16,7 +16,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     summary = import_base(
         source=assets.resolve(cfg.model.path),
         out_dir=args.out,
-        tokenizer_dir=args.tokenizer_out,
+        tokenizer_dir=args.tokenizer,
         dtype=cfg.model.dtype,
         max_shard_size=cfg.model.max_shard_size,
     )
@@ -28,7 +28,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="HF model folder to write")
-    parser.add_argument("--tokenizer-out", type=Path, required=True, help="copy of the base tokenizer alone")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="the base's tokenizer (prepare_base_tokenizer)")
     parser.add_argument("--metrics", type=Path, required=True, help="the imported model's figures (JSON)")
     run(main, parser, prefix="base", hides_unused=lambda cfg: True)  # no import quantizes; transformers would import
     # scipy for nothing (about 1 s of CPU)

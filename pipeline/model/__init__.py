@@ -1,7 +1,10 @@
 """The base model and the LoRA model built on it:
 
 - `base_import`: a GGUF file or an HF folder -> one plain HF safetensors folder, checked to compute the same logits.
-- `gguf_reading`: a GGUF file's metadata read once by transformers for its config, tokenizer and model.
+- `base_tokenizer`: the base's tokenizer and context length alone, read without torch or the weights (the data
+  stages' view of the base).
+- `gguf_reading`: a GGUF file's metadata read once by transformers for its config, tokenizer and model, and without
+  torch for the tokenizer and config.
 - `remote_code`: whether a model folder could only load by running code of its own (refused), from its config.json.
 - `base_weights`: a base's tensors loaded in a dtype, whole or (under ZeRO-3) one rank's partition at a time.
 - `pretrained`: from_pretrained for a folder in any weight format (torch pickles read by the checkpoint loader).

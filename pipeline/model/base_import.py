@@ -12,24 +12,21 @@ import torch
 
 from pipeline.core.atomic import atomic_path
 from pipeline.core.precision import DTYPES
-from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
+from pipeline.data.tokenizer import vocabulary_size
 from pipeline.model import outline, pretrained
+from pipeline.model.base_tokenizer import check_source
 from pipeline.model.gguf_reading import read_once
-from pipeline.model.remote_code import custom_code
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str, max_shard_size: str) -> dict:
-    """Write `out_dir` (model + tokenizer) and `tokenizer_dir` (tokenizer only); return a short summary."""
-    if not source.exists():
-        raise FileNotFoundError(f"model.path: {source} does not exist; expected a .gguf file or an HF model folder")
-    if source.suffix != ".gguf" and not (source / "config.json").is_file():
-        raise ValueError(f"model.path: {source} is neither a .gguf file nor a folder with config.json")
-    if source.suffix != ".gguf" and (reason := custom_code(source)):
-        raise ValueError(reason)
-
+    """Write `out_dir`: the model, with the base's tokenizer copied from `tokenizer_dir` (`base_tokenizer`, which
+    reads it without the weights); return a short summary."""
+    check_source(source)
+    if not Path(tokenizer_dir).is_dir():
+        raise FileNotFoundError(f"{tokenizer_dir}: no such folder; expected the base's tokenizer folder")
     with atomic_path(out_dir) as tmp, read_once() if source.suffix == ".gguf" else contextlib.nullcontext():
         if source.suffix != ".gguf":
             _link_hf_folder(source, tmp, dtype=DTYPES[dtype], max_shard_size=max_shard_size)
@@ -39,17 +36,14 @@ def import_base(*, source: Path, out_dir: Path, tokenizer_dir: Path, dtype: str,
             expected = _probe(model)
             del model  # the reloaded copy need not sit beside it: one model in memory at a time
             _check_roundtrip(expected, tmp, DTYPES[dtype])
-        gguf = {"gguf_file": source.name} if source.suffix == ".gguf" else {}
-        tokenizer = load_tokenizer(source.parent if gguf else source, **gguf)  # after the weights: one at a time
-        save_tokenizer(tokenizer, tmp, source)
+        for path in sorted(Path(tokenizer_dir).iterdir()):
+            shutil.copy2(path, tmp / path.name)
         config = _plain_config(tmp)
         outline.write(tmp)
-    with atomic_path(tokenizer_dir) as tmp:
-        save_tokenizer(tokenizer, tmp, source)
     return {
         "architecture": config.architectures[0],
         "vocab_size": config.vocab_size,
-        "tokenizer_size": len(tokenizer),
+        "tokenizer_size": vocabulary_size(tokenizer_dir),
         "max_position_embeddings": config.max_position_embeddings,
     }
 

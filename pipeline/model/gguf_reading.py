@@ -1,11 +1,17 @@
-"""Reading a GGUF file through transformers without reading it again: `read_once` around every load of one file."""
+"""Reading a GGUF file through transformers without reading it again (`read_once` around every load of one file),
+and its config and tokenizer without torch (`without_torch`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-from collections.abc import Iterator
+import os
+import struct
+import sys
+import types
+from collections.abc import Container, Iterator
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -59,3 +65,116 @@ def _reader(gguf, make) -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = reader_class
+
+
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9  # GGUF's value types other than the fixed-size ones
+
+
+def read_metadata(path: str | Path, string_arrays: Container[str] = ()) -> tuple[dict, tuple[str, ...]]:
+    """A GGUF file's metadata and tensor names, as transformers' `read_gguf_metadata` returns them (an array of
+    strings not in `string_arrays` as its length), read with `struct` alone: transformers' reader imports torch."""
+    with open(path, "rb") as file:
+
+        def read(size: int) -> bytes:
+            if len(data := file.read(size)) < size:
+                raise ValueError(f"{path}: ends inside its metadata; expected a whole GGUF file")
+            return data
+
+        def take(fmt: str) -> tuple:
+            return struct.unpack(fmt, read(struct.calcsize(fmt)))
+
+        def string() -> str:
+            return read(take("<Q")[0]).decode("utf-8")
+
+        def value(kind: int, keep_strings: bool):
+            if kind in SCALARS:
+                return take(SCALARS[kind])[0]
+            if kind == STRING:
+                return string()
+            if kind != ARRAY:
+                raise ValueError(f"{path}: GGUF metadata value of unknown type {kind}")
+            element, count = take("<IQ")
+            if element in SCALARS:
+                return list(take(f"<{count}{SCALARS[element][1]}"))
+            if element != STRING:
+                raise ValueError(f"{path}: GGUF metadata array of type {element}; expected numbers or strings")
+            if keep_strings:
+                return [string() for _ in range(count)]
+            for _ in range(count):
+                file.seek(take("<Q")[0], os.SEEK_CUR)
+            return count
+
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path}: does not start with GGUF's magic bytes; expected a GGUF file")
+        _version, tensor_count, value_count = take("<IQQ")
+        metadata = {}
+        for _ in range(value_count):
+            key = string()
+            metadata[key] = value(take("<I")[0], key in string_arrays)
+        names = []
+        for _ in range(tensor_count):
+            names.append(string())
+            file.seek(8 * take("<I")[0] + 12, os.SEEK_CUR)  # dimensions, type, offset
+    return metadata, tuple(names)
+
+
+@contextlib.contextmanager
+def without_torch() -> Iterator[None]:
+    """Within it, transformers reads a GGUF file's config and tokenizer in a process where torch is absent
+    (`imports.tokenizers_only`): its metadata reader module, which imports torch at its top, is `read_metadata`, and
+    the config reader of the architectures it has no new reader for (LLaMA's: guarded by torch's presence, though it
+    reads no tensor without `return_tensors`) reads `MetadataFields` instead of gguf's reader, which parses every
+    value into numpy arrays (about 200 MB for a 49,152-token vocabulary). Where torch is importable: nothing to do."""
+    if sys.modules.get("torch", False) is not None:
+        yield
+        return
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    reader_module = types.ModuleType(READER)
+    reader_module.read_gguf_metadata = read_metadata
+    before = sys.modules.get(READER)
+    sys.modules[READER], guard, hf_gguf.is_torch_available = reader_module, hf_gguf.is_torch_available, lambda: True
+    try:
+        with _reader(gguf, MetadataFields):
+            yield
+    finally:
+        hf_gguf.is_torch_available = guard
+        if before is None:
+            del sys.modules[READER]
+        else:
+            sys.modules[READER] = before
+
+
+READER = "transformers.integrations.gguf.reader"
+
+
+class MetadataFields:
+    """What transformers' config reader reads of gguf's GGUFReader (`fields`: parts, indexes of the values among
+    them, types; `tensors`: names), made from `read_metadata`: a value's part is its bytes or a 1-tuple."""
+
+    def __init__(self, path: str | Path, *_args, **_kwargs):
+        metadata, names = read_metadata(path, string_arrays=_AllKeys())
+        self.fields = {key: _field(value) for key, value in metadata.items()}
+        self.tensors = [types.SimpleNamespace(name=name) for name in names]
+
+
+class _AllKeys:
+    def __contains__(self, _key: object) -> bool:
+        return True
+
+
+def _field(value) -> types.SimpleNamespace:
+    def part(item):
+        return item.encode("utf-8") if isinstance(item, str) else (item,)
+
+    def kind(item) -> int:
+        if isinstance(item, str):
+            return STRING
+        return {bool: 7, int: 11, float: 12}[type(item)]
+
+    if isinstance(value, list):
+        element = kind(value[0]) if value else 11
+        return types.SimpleNamespace(parts=[part(v) for v in value], data=range(len(value)), types=[ARRAY, element])
+    return types.SimpleNamespace(parts=[part(value)], data=[0], types=[kind(value)])

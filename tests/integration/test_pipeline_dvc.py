@@ -15,8 +15,9 @@ from tools.repro_check import GIT, copy_project, sh
 pytestmark = pytest.mark.integration
 EXP_RUN = ["dvc", "exp", "run", "cache_dataset", "-S", "experiment=ci_tiny"]
 # Upstream of cache_dataset in ci_tiny: the check of params.yaml and its files comes first; data/ is a dependency (the
-# files of data.sources live there), so prepare_corpus, which writes data/corpus, is upstream too.
-STAGES = {"check", "prepare_base", "prepare_corpus", "prepare_tokenizer", "cache_dataset"}
+# files of data.sources live there), so prepare_corpus, which writes data/corpus, is upstream too. The base's
+# tokenizer and context length come from prepare_base_tokenizer: preparing data never converts the base's weights.
+STAGES = {"check", "prepare_base_tokenizer", "prepare_corpus", "prepare_tokenizer", "cache_dataset"}
 
 
 def _ran(done: subprocess.CompletedProcess) -> set[str]:

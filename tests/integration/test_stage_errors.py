@@ -85,15 +85,19 @@ def test_prepare_tokenizer_refuses_an_empty_tokenizer(tmp_path, peoples_daily):
     _assert_clean_failure(done, f"{empty}:", out)
 
 
-def test_prepare_base_names_a_missing_model_and_marks_the_run_failed(tmp_path):
+@pytest.mark.parametrize(
+    ("stage", "other"), [("prepare_base", ["--tokenizer", "tok"]), ("prepare_base_tokenizer", ["--context", "c.json"])]
+)
+def test_the_base_stages_name_a_missing_model_and_mark_the_run_failed(tmp_path, stage, other):
     out = tmp_path / "base"
     store = f"sqlite:///{tmp_path / 'mlruns.db'}"
     done = _run_stage(
-        tmp_path, "prepare_base", [f"model.path={tmp_path / 'nope'}", f"tracking.uri={store}"], "--out", str(out),
-        "--tokenizer-out", str(tmp_path / "tok"), "--metrics", str(tmp_path / "base.json"),
+        tmp_path, stage, [f"model.path={tmp_path / 'nope'}", f"tracking.uri={store}"], "--out", str(out),
+        other[0], str(tmp_path / other[1]), "--metrics", str(tmp_path / "base.json"),
     )  # fmt: skip
     _assert_clean_failure(done, "model.path:", out)
+    assert not (tmp_path / other[1]).exists()
     from mlflow import MlflowClient
 
     run = MlflowClient(store).get_run(read_json(tmp_path / "run.json")["run_id"])
-    assert run.info.status == "FAILED" and run.data.tags["stage.prepare_base"] == "ran"
+    assert run.info.status == "FAILED" and run.data.tags[f"stage.{stage}"] == "ran"

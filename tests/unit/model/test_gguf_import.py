@@ -27,17 +27,20 @@ def counted(monkeypatch, owner, name: str) -> list[int]:
 
 
 def test_streamed_conversion_equals_transformers_gguf_model(tmp_path, monkeypatch):
-    """The tensors and config of transformers' GGUF model; its metadata read once for the config and the tokenizer,
-    gguf's tensor-name table built once (transformers builds it for every module it maps: about 400 times)."""
+    """The tensors and config of transformers' GGUF model; its metadata read once (for the config: the tokenizer is
+    the base tokenizer stage's, copied), gguf's tensor-name table built once (transformers builds it for every
+    module it maps: about 400 times)."""
     import gguf
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from pipeline.model.base_import import import_base
+    from pipeline.model.base_tokenizer import import_base_tokenizer
     from pipeline.model.gguf_reading import read_once
 
     path = resolve(GGUF)
+    import_base_tokenizer(source=path, out_dir=tmp_path / "tokenizer", context_file=tmp_path / "context.json")
     reads, tables = (
         counted(monkeypatch, hf_gguf, "load_gguf_checkpoint"),
         counted(monkeypatch, gguf, "get_tensor_name_map"),
@@ -53,6 +56,8 @@ def test_streamed_conversion_equals_transformers_gguf_model(tmp_path, monkeypatc
     assert gguf.get_tensor_name_map.__name__ == "<lambda>", "gguf's own function (here the counter) given back"
     shards = sorted((tmp_path / "base").glob("*.safetensors"))
     assert len(shards) == 3 and (tmp_path / "base/model.safetensors.index.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):  # the stage's, copied
+        assert (tmp_path / "base" / name).read_bytes() == (tmp_path / "tokenizer" / name).read_bytes(), name
     with read_once():  # transformers' own loader, its metadata parsed once (7.9 s of name tables less)
         reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     expected = reference.state_dict()
@@ -94,6 +99,7 @@ def test_conversion_holds_less_than_the_model(tmp_path):
 
 def test_a_gguf_file_cut_short_is_refused_naming_the_tensor_and_nothing_is_written(tmp_path):
     from pipeline.model.base_import import import_base
+    from pipeline.model.base_tokenizer import import_base_tokenizer
 
     path = resolve(GGUF)
     cut = tmp_path / "cut" / path.name
@@ -101,6 +107,7 @@ def test_a_gguf_file_cut_short_is_refused_naming_the_tensor_and_nothing_is_writt
     with open(path, "rb") as whole, open(cut, "wb") as part:
         part.write(whole.read(path.stat().st_size * 2 // 3))
     out, tokenizer = tmp_path / "base", tmp_path / "base_tokenizer"
+    import_base_tokenizer(source=path, out_dir=tokenizer, context_file=tmp_path / "context.json")
     with pytest.raises(ValueError, match=rf"model.path: {re.escape(str(cut))} ends inside tensor blk\.\d+\.\w+"):
         import_base(source=cut, out_dir=out, tokenizer_dir=tokenizer, dtype="float32", max_shard_size="2GB")
-    assert not out.exists() and not tokenizer.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cut"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base_tokenizer", "context.json", "cut"]

@@ -15,9 +15,11 @@ from pipeline.model.base_import import import_base
 
 
 @pytest.mark.slow
-def test_the_imported_base_carries_its_outline_read_without_model_code(tiny_base_dir, tmp_path):
+def test_the_imported_base_carries_its_outline_read_without_model_code(tiny_base_dir, smol_tokenizer_dir, tmp_path):
     base = tmp_path / "base"
-    import_base(source=tiny_base_dir, out_dir=base, tokenizer_dir=tmp_path / "tok", dtype="fp32", max_shard_size="1GB")
+    import_base(
+        source=tiny_base_dir, out_dir=base, tokenizer_dir=smol_tokenizer_dir, dtype="fp32", max_shard_size="1GB"
+    )
     assert (base / outline.FILE).is_file()
     expected = outline.of_model(outline.meta_model(base))
     assert outline.read(base) == expected
@@ -33,12 +35,14 @@ print(len(layers.linear), any(name.startswith("transformers.models") for name in
     assert seen == ["15", "False"]
 
 
-def test_a_base_without_an_outline_or_changed_since_is_outlined_from_its_architecture(tiny_base_dir, tmp_path):
+def test_a_base_without_an_outline_or_changed_since_is_outlined_from_its_architecture(
+    tiny_base_dir, smol_tokenizer_dir, tmp_path
+):
     other = tmp_path / "other"  # written by other means than prepare_base
     shutil.copytree(tiny_base_dir, other, ignore=shutil.ignore_patterns(outline.FILE))
     assert outline.read(other) == outline.of_model(outline.meta_model(other))
     base = tmp_path / "base"
-    import_base(source=other, out_dir=base, tokenizer_dir=tmp_path / "tok", dtype="fp32", max_shard_size="1GB")
+    import_base(source=other, out_dir=base, tokenizer_dir=smol_tokenizer_dir, dtype="fp32", max_shard_size="1GB")
     config = json.loads((base / "config.json").read_text())
     (base / "config.json").unlink()  # a link to the source's file: replaced, not written through
     (base / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
