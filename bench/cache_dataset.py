@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.gettempdir()) / "bench_cache_dataset"
     parser.add_argument("--work", type=Path, default=work, help="generated corpora (kept) and the runs' outputs")
     parser.add_argument("--tokenizer", type=Path, default=REPO / "artifacts/tokenizer", help="tokenizer folder")
-    base_config = REPO / "artifacts/base/config.json"
-    parser.add_argument("--base-config", type=Path, default=base_config, help="base model config.json")
+    base_context = REPO / "artifacts/base_context.json"  # what `dvc repro cache_dataset` writes (its config.json too)
+    parser.add_argument("--base-config", type=Path, default=base_context, help="JSON with max_position_embeddings")
     parser.add_argument("--smoke", action="store_true", help="4 and 8 MB, 2k SFT rows; figures to --work only")
     args = parser.parse_args(argv)
     if args.smoke:
