@@ -30,13 +30,25 @@ context = import_base_tokenizer(source=Path(sys.argv[1]), out_dir=Path(sys.argv[
 loaded = sorted(name for name, module in sys.modules.items() if name.startswith("torch") and module is not None)
 print(json.dumps({"context": context, "torch": loaded, "peak_mb": status_mb("VmHWM")}))
 """
+WITH_TORCH = """
+import json, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig
+from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
+source, out = Path(sys.argv[1]), Path(sys.argv[2])
+folder, gguf = (source.parent, {"gguf_file": source.name}) if source.suffix == ".gguf" else (source, {})
+save_tokenizer(load_tokenizer(folder, **gguf), out, source)  # transformers' whole reader
+config = AutoConfig.from_pretrained(folder, **gguf)
+print(json.dumps([config.model_type, config.max_position_embeddings, config.vocab_size]))
+"""  # a process of its own, as the stage's: the saved tokenizer_config.json records the hub's offline flag, which a
+# test worker's earlier in-process evaluation sets (evaluation/tasks.offline)
 
 
-def without_torch(source: Path, out: Path) -> dict:
+def run(script: str, *args: Path) -> dict | list:
     done = subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, str(source), str(out / "tokenizer"), str(out / "context.json")],
-        cwd=REPO, env=with_venv_path(), capture_output=True, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", script, *map(str, args)], cwd=REPO, env=with_venv_path(), capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -47,24 +59,14 @@ def files(folder: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("kind", ["gguf", "hf_folder"])
 def test_without_torch_it_is_autotokenizer_with_torch(kind, tiny_base_dir, tmp_path):
-    from transformers import AutoConfig
-
-    from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
-
     source = resolve(GGUF) if kind == "gguf" else tiny_base_dir
-    folder, gguf = (source.parent, {"gguf_file": source.name}) if kind == "gguf" else (source, {})
-    expected = tmp_path / "expected"
-    save_tokenizer(load_tokenizer(folder, **gguf), expected, source)  # with torch: transformers' whole reader
-    config = AutoConfig.from_pretrained(folder, **gguf)
-
-    ran = without_torch(source, tmp_path)
+    expected_config = run(WITH_TORCH, source, tmp_path / "expected")
+    ran = run(WITHOUT_TORCH, source, tmp_path / "tokenizer", tmp_path / "context.json")
     assert ran["torch"] == [], "tokenizers-only: torch never imported"
-    assert files(tmp_path / "tokenizer") == files(expected)
+    assert files(tmp_path / "tokenizer") == files(tmp_path / "expected")
     context = json.loads((tmp_path / "context.json").read_text())
     assert context == ran["context"]
-    assert (context["model_type"], context["max_position_embeddings"], context["vocab_size"]) == (
-        config.model_type, config.max_position_embeddings, config.vocab_size
-    )  # fmt: skip
+    assert [context["model_type"], context["max_position_embeddings"], context["vocab_size"]] == expected_config
     if kind == "gguf":  # with torch, transformers' reading of SmolLM2's GGUF tokenizer alone peaked at 448 MB
         assert ran["peak_mb"] < CACHE_DATASET_PEAK_MB, ran
 
