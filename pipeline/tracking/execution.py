@@ -41,16 +41,22 @@ def workspace() -> Path:
     return Path(os.environ.get("DVC_ROOT") or Path.cwd())
 
 
+def hand_down() -> str:
+    """This process's pipeline execution, named for the processes it starts ($PIPELINE_EXECUTION): they join its
+    run, whichever of them opens it first."""
+    os.environ[EXECUTION_ENV] = execution = execution_id()
+    return execution
+
+
 def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
     """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
     point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace. The
     calls go through the store's relay (`relay`), without MLflow imported here, where the store is a SQLite file."""
-    os.environ[EXECUTION_ENV] = execution = execution_id()
     return open_relayed(
         uri=uri,
         experiment=experiment,
         run_id_file=run_id_file,
-        execution=execution,
+        execution=hand_down(),
         run_name=run_name(),
         parent_run_id=os.environ.get(PARENT_RUN_ENV),
         root=workspace(),

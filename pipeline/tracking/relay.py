@@ -2,11 +2,12 @@
 MLflow and opened the store, so that a stage pays neither (about 3 s of CPU and 200 MB each, against a data
 stage's 2 s: docs/tracking.md). The relay runs the same `open_run` and `Tracker` methods a stage would run, every
 one of them (the track stage's reads, artifacts and registration too); their results and warnings come back to the
-stage, which prints the warnings. It exits after IDLE_S seconds without a call
-(`PIPELINE_MLFLOW_RELAY=SECONDS` sets them; a stage whose work outlasts them starts it again at its next call), or
-when its store file is replaced. Where no relay can start, or with
-`PIPELINE_MLFLOW_RELAY=off`, the stage calls MLflow itself. The relay's socket and log are in
-$TMPDIR/pipeline-mlflow-relay-UID/."""
+stage, which prints the warnings. A tracked stage asks the relay to hold on for it as its work starts, or starts it
+then, beside that work (`warm`), so that its calls after the work find it open. It exits after IDLE_S seconds
+without a call once no process it holds on for lives (those that asked, and those that opened a run through it and
+have not closed it; `PIPELINE_MLFLOW_RELAY=SECONDS` sets them; a call after it ended starts it again), or when its
+store file is replaced. Where no relay can start, or with `PIPELINE_MLFLOW_RELAY=off`, the stage calls MLflow
+itself. The relay's socket, pid and log are in $TMPDIR/pipeline-mlflow-relay-UID/."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import logging
 import os
 import socket
 import socketserver
+import struct
 import subprocess
 import sys
 import tempfile
@@ -25,12 +27,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pipeline.tracking import mlflow_run
 from pipeline.tracking.mlflow_run import Tracker, open_run
 
 SWITCH = "PIPELINE_MLFLOW_RELAY"  # "off": every stage calls MLflow itself; a number: the relay's idle seconds
 IDLE_S = 30.0
 START_S = 60.0  # how long a stage waits for a relay to open its store before calling MLflow itself
+HOLD_S = 5.0  # how long `warm` waits for a busy relay to take its process as one to hold on for
 REPLY_S = 120.0  # a call's longest wait (a locked SQLite store is retried for mlflow_run.LOCK_PATIENCE_S)
 RELAYED = (  # the Tracker methods a relayed one sends (describe and log_metrics call set_tags and log_series)
     "log_params", "set_tags", "log_series", "log_artifact", "logged", "logged_steps", "tag_experiment", "log_datasets",
@@ -62,6 +67,25 @@ def open_relayed(**kwargs: Any) -> Tracker:
     if opened["run_id"] is None:
         return Tracker(uri=opened["uri"], missing=opened["missing"])
     return Relayed(address=address, run_id=opened["run_id"], uri=opened["uri"])
+
+
+def warm(uri: str, root: Path | None = None) -> None:
+    """Keep the relay of the SQLite store `uri` names for this process while it lives: the running one is asked to
+    hold on, else one is started in the background, holding on from its start. Returns at once: the stage's calls
+    after its work find the relay open, the store's first `open_relayed` without waiting for MLflow's import."""
+    database = mlflow_run.sqlite_file(mlflow_run.resolve_uri(uri, root or Path.cwd())) if uri else None
+    if database is None or os.environ.get(SWITCH) == "off":
+        return
+    hold = {"op": "hold"}
+    with contextlib.suppress(Exception):  # a relay busy or unable to start: the stage's first call starts one
+        from filelock import FileLock, Timeout
+
+        address = _address(database)
+        if _exchange(address, hold, HOLD_S) is not None:
+            return
+        with contextlib.suppress(Timeout), FileLock(address.parent / "starting.lock", timeout=0):
+            if _starting(address) is None and _exchange(address, hold, HOLD_S) is None:
+                _spawn(address, database, holder=os.getpid())
 
 
 class Relayed(Tracker):
@@ -187,22 +211,47 @@ def _exchange(address: Path, request: dict, reply_s: float | None) -> dict | Non
 
 
 def _start(address: Path, database: Path) -> bool:
-    """Start the relay of `database` on `address`, detached (no file of this process kept open); True once it
-    answers."""
+    """Start the relay of `database` on `address` (or wait for the one `warm` started), detached (no file of this
+    process kept open); True once it answers."""
+    process = _starting(address) or _spawn(address, database)
+    deadline = time.monotonic() + START_S
+    while time.monotonic() < deadline and _running(process):
+        if address.exists():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _spawn(address: Path, database: Path, holder: int | None = None) -> psutil.Process:
+    """The relay of `database` on `address` (holding on while process `holder` lives), started and not waited for;
+    its pid kept beside the socket."""
     with contextlib.suppress(FileNotFoundError):
         address.unlink()  # a relay that died without removing it
     log_file = address.with_suffix(".log")
     with open(log_file, "ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.tracking.relay", str(address), str(database)],
+            [sys.executable, "-m", "pipeline.tracking.relay", str(address), str(database), str(holder or "")],
             cwd=_code(), stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
         )  # fmt: skip
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline and process.poll() is None:
-        if address.exists():
-            return True
-        time.sleep(0.05)
-    return False
+    address.with_suffix(".pid").write_text(str(process.pid))
+    return psutil.Process(process.pid)
+
+
+def _starting(address: Path) -> psutil.Process | None:
+    """The relay started for `address` that has not opened its store yet (no socket): None where there is none."""
+    try:
+        process = psutil.Process(int(address.with_suffix(".pid").read_text()))
+        ours = str(address) in process.cmdline()
+    except (OSError, ValueError, IndexError, psutil.Error):
+        return None
+    return process if ours and _running(process) and not address.exists() else None
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 class _Warnings(logging.Handler):
@@ -235,8 +284,48 @@ def _identity(database: Path) -> tuple[int, int] | None:
     return found.st_dev, found.st_ino
 
 
-def serve(address: Path, database: Path) -> None:
-    """Answer stages' calls on `address` until IDLE_S passes without one or `database` is replaced."""
+class _Holders:
+    """The processes the relay holds on for: those that opened a run through it and have not closed it, and those
+    that asked it to (`warm`, for as long as they live): pid -> (start time, holds)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[float, int]] = {}
+
+    def update(self, pid: int, request: dict, answer: dict) -> None:
+        started, runs = self.held.get(pid, (_started(pid), 0))
+        if request["op"] == "hold" or (request["op"] == "open" and answer.get("run_id")):
+            runs += 1
+        elif request.get("method") == "close":
+            runs -= 1
+        if runs > 0 and started is not None:
+            self.held[pid] = (started, runs)
+        else:
+            self.held.pop(pid, None)
+
+    def alive(self) -> bool:
+        """Whether one of them still runs (those that ended without closing are forgotten)."""
+        self.held = {pid: held for pid, held in self.held.items() if _started(pid) == held[0]}
+        return bool(self.held)
+
+
+def _started(pid: int) -> float | None:
+    """When process `pid` started; None where it has ended."""
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() if _running(process) else None
+    except psutil.Error:
+        return None
+
+
+def _peer(connection: socket.socket) -> int:
+    """The pid of the process on the other end of a Unix socket."""
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[0]
+
+
+def serve(address: Path, database: Path, holder: int | None = None) -> None:
+    """Answer stages' calls on `address` until IDLE_S passes without one while no process it holds on for (`holder`
+    among them) lives, or `database` is replaced."""
     from mlflow import MlflowClient
 
     uri = mlflow_run.SQLITE + str(database)
@@ -244,6 +333,9 @@ def serve(address: Path, database: Path) -> None:
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # the store opened (its tables made)
     identity = _identity(database)
+    holders = _Holders()
+    if holder is not None:
+        holders.update(holder, {"op": "hold"}, {})
 
     class Handler(socketserver.StreamRequestHandler):
         def handle(self) -> None:
@@ -254,13 +346,14 @@ def serve(address: Path, database: Path) -> None:
                 return
             with _captured() as warnings:
                 answer = _answer(request, client)
+            holders.update(_peer(self.connection), request, answer)
             self.wfile.write(json.dumps({**answer, "warnings": warnings}).encode() + b"\n")
 
     class Server(socketserver.UnixStreamServer):
         timeout, ended = float(os.environ.get(SWITCH) or IDLE_S), False
 
         def handle_timeout(self) -> None:
-            self.ended = True
+            self.ended = not holders.alive()
 
     Path(f"{address}.new").unlink(missing_ok=True)  # left by a relay that died starting (stages start one at a time)
     with Server(f"{address}.new", Handler) as server:
@@ -273,10 +366,15 @@ def serve(address: Path, database: Path) -> None:
             if _identity(address) == bound:  # not the socket of a relay started after this one ended
                 address.unlink()
     address.with_suffix(".log").unlink(missing_ok=True)  # kept where the relay failed
+    with contextlib.suppress(OSError):
+        if address.with_suffix(".pid").read_text() == str(os.getpid()):
+            address.with_suffix(".pid").unlink()
 
 
 def _answer(request: dict, client: Any) -> dict:
     """Run a stage's call with the relay's client."""
+    if request["op"] == "hold":
+        return {}
     if request["op"] == "open":
         kwargs = request["kwargs"]
         tracker = open_run(**{**kwargs, "run_id_file": Path(kwargs["run_id_file"]), "root": Path(kwargs["root"])})
@@ -304,4 +402,4 @@ def skinny() -> None:
 
 if __name__ == "__main__":
     skinny()
-    serve(Path(sys.argv[1]), Path(sys.argv[2]))
+    serve(Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]) if sys.argv[3] else None)

@@ -100,7 +100,7 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
     rank, world = dist.get_rank(), dist.get_world_size()
     trainable, total = count_parameters(engine.module)
     tracker = None
-    if rank == 0:  # the stage opened the run and logged params and tags
+    if rank == 0:  # the execution's run, opened here or by an earlier stage (the train stage logs its params after)
         tracker = pipeline_run(
             uri=plan.tracking.uri,
             experiment=plan.tracking.experiment,

@@ -1,7 +1,8 @@
 """The MLflow relay (pipeline/tracking/relay.py): a stage's params, tags, figures and end reach the store as they do
 when the stage calls MLflow itself, without MLflow imported in the stage; failures warn in the stage once; the relay
-ends when idle (a stage calling after that starts it again) or when its store is replaced, and is not used where
-switched off (a failing call through it: unit/tracking/test_tracking.py)."""
+ends when idle while no live process holds a run open through it (a stage calling after that starts it again) or
+when its store is replaced, and is not used where switched off (a failing call through it:
+unit/tracking/test_tracking.py)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def test_the_relay_ends_when_idle_comes_back_for_a_late_call_and_leaves_a_replac
     kwargs = {"uri": f"sqlite:///{database}", "experiment": "lora", "run_id_file": tmp_path / "run.json"}
     open_relayed(**kwargs, execution="a").close()
     (relay,) = relays(database)
-    address = Path(relay.cmdline()[-2])
+    cmdline = relay.cmdline()
+    address = Path(cmdline[cmdline.index("pipeline.tracking.relay") + 1])
     assert address.exists() and address.with_suffix(".log").exists()
     relay.wait(timeout=30)
     assert not address.exists() and not address.with_suffix(".log").exists(), "ended idle: its socket and log gone"
@@ -139,14 +141,39 @@ def test_the_relay_ends_when_idle_comes_back_for_a_late_call_and_leaves_a_replac
     tracker = open_relayed(**kwargs, execution="d")
     tracker.log_params({"before": "idle"})
     (relay,) = relays(database)
+    with pytest.raises(psutil.TimeoutExpired):
+        relay.wait(timeout=6)  # idle three times over, but this process holds run d open
+    relay.kill()  # a relay gone while the stage works
     relay.wait(timeout=30)
-    tracker.log_metrics({"loss": 1.5}, step=3)  # a stage whose work outlasted the relay's idle time
+    tracker.log_metrics({"loss": 1.5}, step=3)
     tracker.close()
     assert type(tracker) is not Tracker and not tracker.disabled, "the call started the relay again"
     logged = content(database, tracker.run_id)
     assert logged["params"] == {"before": "idle"} and logged["loss"] == [(3, 1.5)] and logged["status"] == "FINISHED"
     (relay,) = relays(database)
-    relay.wait(timeout=30)
+    relay.wait(timeout=30)  # run d closed: idle, it ends
+
+
+def test_the_relay_holds_on_while_a_stage_that_warmed_it_or_holds_a_run_open_lives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv(SWITCH, "1")
+    database = tmp_path / "mlruns.db"
+    kwargs = f"uri='sqlite:///{database}', experiment='lora', run_id_file=Path('{tmp_path}/run.json')"
+    opening = f"t = open_relayed({kwargs}, execution='e'); t.log_params({{'a': 1}})"
+    warming = f"warm('sqlite:///{database}'); {opening}; t.close()"  # the warmed relay is the one the stage uses
+    for code in (warming, opening):  # then a stage that ends without closing its run, as a killed one
+        preamble = "from pathlib import Path\nfrom pipeline.tracking.relay import open_relayed, warm\n"
+        stage = subprocess.Popen(
+            [sys.executable, "-c", f"{preamble}{code}\nprint('working', flush=True)\ninput()"],
+            cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert stage.stdout.readline() == b"working\n"
+        (relay,) = relays(database)
+        with pytest.raises(psutil.TimeoutExpired):
+            relay.wait(timeout=4)  # idle four times over: the stage's work goes on
+        stage.communicate(b"\n", timeout=30)
+        relay.wait(timeout=30)  # the stage ended: idle, the relay ends
 
 
 def test_switched_off_the_stage_calls_mlflow_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
