@@ -292,15 +292,14 @@ class _Holders:
         self.held: dict[int, tuple[float, int]] = {}
 
     def update(self, pid: int, request: dict, answer: dict) -> None:
-        started, runs = self.held.get(pid, (_started(pid), 0))
         if request["op"] == "hold" or (request["op"] == "open" and answer.get("run_id")):
-            runs += 1
-        elif request.get("method") == "close":
-            runs -= 1
-        if runs > 0 and started is not None:
-            self.held[pid] = (started, runs)
-        else:
-            self.held.pop(pid, None)
+            started, holds = self.held.get(pid) or (_started(pid), 0)
+            if started is not None:
+                self.held[pid] = (started, holds + 1)
+        elif request.get("method") == "close" and pid in self.held:
+            started, holds = self.held.pop(pid)
+            if holds > 1:
+                self.held[pid] = (started, holds - 1)
 
     def alive(self) -> bool:
         """Whether one of them still runs (those that ended without closing are forgotten)."""
