@@ -119,9 +119,10 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRUST_HELP = (
-    "read the checkpoint's pickles with Python's own unpickler, which calls whatever functions a file names (your own "
-    "files only: a pickle from elsewhere can run code); off: only the data of docs/checkpoints.md's allowlist is built "
-    "(tensors over the file's own storages, numbers, numeric numpy arrays, DeepSpeed's classes as stand-ins)"
+    "read the checkpoint's pickles with torch.load(weights_only=False), which calls whatever functions a file names "
+    "(your own files only: a pickle from elsewhere can run code); off: torch's weights-only loader with the classes "
+    "and bounds of docs/checkpoints.md (tensors inside the file's own storages, numbers, numeric numpy arrays, "
+    "DeepSpeed's classes as stand-ins)"
 )
 
 

@@ -1,7 +1,7 @@
 """DeepSpeed's engine reads its checkpoint files through `safe_pickle`, never through its own torch.load.
 
 An engine reads every file of `load_checkpoint` (model states, each rank's optimizer shard) through its
-`checkpoint_engine.load`, which DeepSpeed's TorchCheckpointEngine implements as torch.load(weights_only=False).
+`checkpoint_engine.load`, which DeepSpeed 0.19.8's TorchCheckpointEngine implements as torch.load(weights_only=False).
 `restrict(engine)` wraps that checkpoint engine: loads go to the restricted loader, saving and everything else stay
 DeepSpeed's. What the loader hands back holds DeepSpeed's classes as stand-ins; the ZeRO optimizers keep and call the
 loss scaler they load, so a loss scaler's stand-in becomes DeepSpeed's own class again, its fields checked first.
@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.checkpoints import safe_pickle
-from pipeline.checkpoints.pickle_allowlist import StandIn
-from pipeline.checkpoints.unpickler import brief
+from pipeline.checkpoints.safe_pickle import StandIn
 
 LOSS_SCALER_MODULE = "deepspeed.runtime.fp16.loss_scaler"
 NUMBER, INT, FLAG = (int, float, type(None)), (int, type(None)), (bool, type(None))
@@ -69,7 +68,7 @@ def loss_scaler(stand_in: StandIn, path: Path):
         expected = (torch.dtype,) if name == "dtype" else LOSS_SCALER_FIELDS.get(name)
         if cls is None or expected is None or type(value) not in expected:
             raise safe_pickle.UnsafePickle(
-                f"{path}: refused: {stand_in.pickled_as} with field {name}={brief(value)} (DeepSpeed's loss "
+                f"{path}: refused: {stand_in.pickled_as} with field {name}={str(value)[:40]!r} (DeepSpeed's loss "
                 f"scalers hold {sorted(LOSS_SCALER_FIELDS)} and dtype, numbers and flags only); {safe_pickle.HINT}"
             )
     revived = cls.__new__(cls)

@@ -29,7 +29,7 @@ Lazy = tuple["torch.Size", Callable[[], "torch.Tensor"]]  # a tensor's shape, an
 
 
 def load(path: Path) -> dict:
-    """A shard through the checkpoint allowlist (`safe_pickle`), memory-mapped (files saved with DeepSpeed's
+    """A shard through the checkpoint loader (`safe_pickle`), memory-mapped (files saved with DeepSpeed's
     `"checkpoint": {"checkpoint_serialization": false}` are in torch's legacy format, which cannot be mapped: those
     are read whole)."""
     try:

@@ -1,16 +1,20 @@
-"""Hostile pickles written opcode by opcode from pickle's own definition (pickletools' opcode table), never by our
-loader's code or Python's pickler: each payload pushes one value that, under Python's unpickler, would run
-`touch MARKER` (or build an object-dtype array whose items are forged pointers), and torch files carrying them.
+"""Hostile checkpoint files written from the other side's definitions, never by our loader's code: pickles opcode by
+opcode from pickle's own (pickletools' opcode table), each payload pushing one value that, under Python's unpickler,
+would run `touch MARKER` (or build an object-dtype array whose items are forged pointers), or take minutes and
+gigabytes (hashing bombs); and whole files from torch's and zip's own writers (a TorchScript archive whose
+`__setstate__` writes MARKER, a DEFLATE bomb, tensors whose strides read one element many times).
 
-`payloads(marker)` names each construct as the loader's refusal names it; `splice` puts a payload into an existing
-pickle as one more item of its top-level dict; `rewrite_torch_file` writes a torch zip file with its data.pkl
-replaced, as torch's own writer lays it out."""
+`payloads(marker)` and `files(marker)` name each construct as the loader's refusal names it; `splice` puts a payload
+into an existing pickle as one more item of its top-level dict; `rewrite_torch_file` writes a torch zip file with
+its data.pkl replaced, as torch's own writer lays it out."""
 
 from __future__ import annotations
 
 import functools
 import pickletools
 import struct
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,8 +49,8 @@ def text(value: str) -> bytes:
 
 
 def raw(value: bytes) -> bytes:
-    """BINBYTES: bytes (protocol 3)."""
-    return OP["BINBYTES"] + struct.pack("<I", len(value)) + value
+    """bytes as protocol 2 stores them (torch.save's protocol): _codecs.encode(the latin-1 text, 'latin1')."""
+    return call(global_("_codecs", "encode"), text(value.decode("latin-1")), text("latin1"))
 
 
 def small(value: int) -> bytes:
@@ -100,6 +104,28 @@ def forged_void_array() -> bytes:
     return numpy_array(numpy_dtype("V8", ("|", 8, 1, 0x3F)), 1, FORGED)
 
 
+SCRATCH_MEMO = struct.pack("<I", 0x7FFFFFF0)  # a memo index no torch.save pickle reaches
+
+
+def dict_of(key: bytes) -> bytes:
+    """{key: None}: the key hashed once."""
+    return OP["EMPTY_DICT"] + key + OP["NONE"] + OP["SETITEM"]
+
+
+def repeated_key(copies: int, items: int) -> bytes:
+    """A dict whose keys are one tuple of `items` ints, memoized and set `copies` times: each insertion hashes the whole
+    tuple again (work copies x items for a file of about 5 x (copies + items) bytes)."""
+    key = OP["MARK"] + small(7) * items + OP["TUPLE"] + OP["LONG_BINPUT"] + SCRATCH_MEMO
+    pairs = key + OP["NONE"] + (OP["LONG_BINGET"] + SCRATCH_MEMO + OP["NONE"]) * (copies - 1)
+    return OP["EMPTY_DICT"] + OP["MARK"] + pairs + OP["SETITEMS"]
+
+
+def doubled(levels: int) -> bytes:
+    """A tuple (t, t) of a tuple (t, t)... `levels` deep through the memo: hashing it visits 2**levels elements."""
+    step = OP["LONG_BINPUT"] + SCRATCH_MEMO + OP["LONG_BINGET"] + SCRATCH_MEMO + OP["TUPLE2"]
+    return OP["EMPTY_TUPLE"] + step * levels
+
+
 def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
     """{construct: (payload, what a refusal of it names)}; each payload pushes exactly one value, and those whose
     name says so would run `touch marker` under Python's unpickler (`live`)."""
@@ -111,13 +137,13 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
     inst = OP["MARK"] + OP["STRING"] + f"'touch {marker}'\n".encode() + b"ios\nsystem\n"
     found = {
         "GLOBAL posix.system": (system(marker, global_("posix", "system")), "GLOBAL posix.system"),
-        "INST os.system": (inst, "INST os.system"),
-        "INST of an allowed class": (OP["MARK"] + b"icollections\nOrderedDict\n", "INST collections.OrderedDict"),
+        "INST os.system": (inst, "opcode STRING"),
+        "INST of an allowed class": (OP["MARK"] + b"icollections\nOrderedDict\n", "opcode INST"),
         "OBJ os.system": (OP["MARK"] + global_("os", "system") + command + OP["OBJ"], "GLOBAL os.system"),
-        "OBJ of an allowed class": (OP["MARK"] + global_("collections", "OrderedDict") + OP["OBJ"], "OBJ collections"),
-        "EXT1 posix.system": (OP["EXT1"] + bytes([EXT_CODE]) + tuple_(command) + OP["REDUCE"], "EXT1 extension code"),
-        "EXT2 posix.system": (OP["EXT2"] + struct.pack("<H", EXT_CODE) + tuple_(command) + OP["REDUCE"], "EXT2"),
-        "EXT4 posix.system": (OP["EXT4"] + struct.pack("<i", EXT_CODE) + tuple_(command) + OP["REDUCE"], "EXT4"),
+        "OBJ of an allowed class": (OP["MARK"] + global_("collections", "OrderedDict") + OP["OBJ"], "opcode OBJ"),
+        "EXT1 posix.system": (OP["EXT1"] + bytes([EXT_CODE]) + tuple_(command) + OP["REDUCE"], "opcode EXT1"),
+        "EXT2 posix.system": (OP["EXT2"] + struct.pack("<H", EXT_CODE) + tuple_(command) + OP["REDUCE"], "opcode EXT2"),
+        "EXT4 posix.system": (OP["EXT4"] + struct.pack("<i", EXT_CODE) + tuple_(command) + OP["REDUCE"], "opcode EXT4"),
         "NEWOBJ_EX argparse.Namespace whose keyword argument calls posix.system": (
             global_("argparse", "Namespace")
             + OP["EMPTY_TUPLE"]
@@ -140,7 +166,7 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
             + command
             + OP["SETITEM"]
             + OP["NEWOBJ_EX"],
-            "NEWOBJ_EX with keyword arguments that are not a dict of names",
+            "opcode NEWOBJ_EX",
         ),
         "NEWOBJ argparse.Namespace whose state calls posix.system": (
             namespace + system(marker, global_("posix", "system")) + OP["SETITEM"] + OP["BUILD"],
@@ -148,19 +174,98 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
         ),
         "NEWOBJ of a loss scaler with a state of Python's own fields": (
             scaler + global_("numpy", "ndarray") + OP["SETITEM"] + OP["BUILD"],
-            "LossScaler with a field named like Python's own (__class__)",
+            "LossScaler with a state other than plain values",
         ),
-        "numpy array of object dtype": (object_array(), "an object dtype"),
+        "numpy array of object dtype": (object_array(), "numpy dtype 'O8'"),
         "numpy void dtype claiming object items": (forged_void_array(), "numpy dtype 'V8'"),
-        "a persistent id naming a storage outside the file": (outside + OP["BINPERSID"], "persistent id"),
+        "a persistent id naming a storage outside the file": (outside + OP["BINPERSID"], "which is not in the file"),
+        "30,000 copies of one large tuple as dict keys": (repeated_key(30_000, 30_000), "element visits"),
+        "tuples of tuples doubling 40 times as a dict key": (dict_of(doubled(40)), "element visits"),
+        "100,000 nested tuples as a dict key": (dict_of(OP["EMPTY_TUPLE"] + OP["TUPLE1"] * 100_000), "nested deeper"),
     }
     for module in (*ALLOWED_MODULES, "deepspeed.runtime.engine"):  # protocol 4 walks a dotted name attribute-wise
         name = f"{DOTTED.get(module, 'os')}.system"
         found[f"STACK_GLOBAL {module}.{name}"] = (
             OP["PROTO"] + b"\x04" + call(text(module) + text(name) + OP["STACK_GLOBAL"], command),
-            f"STACK_GLOBAL {module}.{name}",
+            "opcode STACK_GLOBAL",
         )
     return found
+
+
+class Writer(torch.nn.Module):
+    """A module whose TorchScript `__setstate__` writes a file (torch.from_file with shared=True creates it): what
+    torch.jit.load runs as it loads the archive."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path, self.written = path, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, bool]:
+        return (self.path, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.path, self.training = state[0], state[1]
+        self.written = int(torch.from_file(self.path, shared=True, size=4, dtype=torch.uint8).fill_(65).sum())
+
+
+def replace(target: Path, write: Callable[[Path], None]) -> None:
+    """`write` a new file in `target`'s place (a new inode: a hard-linked copy's source stays as it was)."""
+    temporary = target.with_name(target.name + ".crafting")
+    write(temporary)
+    temporary.replace(target)
+
+
+def torchscript_archive(target: Path, marker: Path) -> None:
+    """`target` replaced by a TorchScript archive (torch.jit.save) whose `__setstate__` writes `marker`."""
+    replace(target, lambda out: torch.jit.save(torch.jit.script(Writer(str(marker))), str(out)))
+
+
+def inflating(target: Path, inflated: int = 128 << 20) -> None:
+    """`target` (a torch zip file) written again by zipfile's own writer with its data.pkl DEFLATE-compressed and
+    followed by `inflated` zero bytes (the pickle ends at its STOP; a reader inflates the whole record first)."""
+    with zipfile.ZipFile(target) as source:
+        entries = [(info.filename, source.read(info)) for info in source.infolist()]
+
+    def write(path: Path) -> None:
+        with zipfile.ZipFile(path, "w") as out:
+            for name, data in entries:
+                if name.endswith("/data.pkl"):
+                    out.writestr(name, data + bytes(inflated), compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
+                else:
+                    out.writestr(name, data)
+
+    replace(target, write)
+
+
+def with_tensor(target: Path, tensor: torch.Tensor) -> None:
+    """`target` saved again by torch.save with one more top-level entry, `tensor` (its view as it is)."""
+    value = torch.load(target, map_location="cpu", weights_only=False)  # the test's own fixture file
+    value["extra"] = tensor
+    replace(target, lambda out: torch.save(value, out))
+
+
+def files(marker: Path) -> dict[str, tuple[Callable[[Path], None], str]]:
+    """{construct: (rewrite the target file whole, what a refusal of it names)}."""
+    return {
+        "a TorchScript archive whose __setstate__ writes a file": (
+            lambda target: torchscript_archive(target, marker),
+            "a TorchScript archive",
+        ),
+        "a DEFLATE-compressed data.pkl inflating to 128 MB": (inflating, "inflate to"),
+        "a 8 x 4096 tensor of stride 0 over one element": (
+            lambda target: with_tensor(target, torch.zeros(1).expand(8, 4096)),
+            "zero or overlapping strides",
+        ),
+        "a tensor whose strides overlap": (
+            lambda target: with_tensor(target, torch.arange(16.0).as_strided((4, 4), (1, 1))),
+            "zero or overlapping strides",
+        ),
+    }
 
 
 LIVE = (
@@ -213,7 +318,5 @@ def carry(path: Path, key: str, payload: bytes, out: Path | None = None) -> Path
     """Rewrite the torch file `path` (or write `out`) so that its top-level dict also holds `key`: the payload."""
     _, original = pickle_of(path)
     target = out or path
-    temporary = target.with_name(target.name + ".crafting")
-    rewrite_torch_file(path, temporary, splice(original, key, payload))
-    temporary.replace(target)
+    replace(target, lambda temporary: rewrite_torch_file(path, temporary, splice(original, key, payload)))
     return target

@@ -1,6 +1,7 @@
 """A seeded, time-bounded fuzzer of the checkpoint loader (pipeline/checkpoints/safe_pickle.py). It mutates the
 pickles of a real checkpoint's files (opcodes swapped, truncation, random bytes, integer arguments pushed to their
-limits, hostile payloads and pieces of other files spliced in, the zip itself damaged), writes each case as a torch
+limits, hostile payloads and hashing bombs and pieces of other files spliced in, the zip itself damaged, whole
+crafted files in its place: TorchScript archives, DEFLATE bombs, stride tricks), writes each case as a torch
 file and loads it in a worker process, many cases per worker. Every case must end in a clean refusal (a ValueError
 of the loader naming the file), in the original data, or in other data made only of the kinds a checkpoint holds (a
 mutated number or name), checked by a walk of this module's own; then RNG states go through their schema and
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from tests.helpers import crafted_pickles as crafted
 
-KINDS = ("opcode", "truncate", "bytes", "insert", "argument", "payload", "crossover", "file")
+KINDS = ("opcode", "truncate", "bytes", "insert", "argument", "payload", "crossover", "file", "whole")
 OPCODES = [ord(op.code) for op in pickletools.opcodes]
 INT_ARGS = {"BININT": "<i", "BININT1": "<B", "BININT2": "<H", "BINPUT": "<B", "BINGET": "<B", "LONG_BINPUT": "<I"}
 LIMITS = (0, 1, 2, 4, 255, 65535, 2**31 - 1, -1, -(2**31), 2**32 - 1)
@@ -96,7 +97,10 @@ def write_case(seed: int, index: int, files: list[Path], pickles: list[bytes], w
     which = rng.randrange(len(files))
     kind = KINDS[index % len(KINDS)]
     out = work / f"case{index}.pt"
-    if kind == "file":
+    if kind == "whole":  # a crafted file in the source's place (TorchScript, inflation, stride tricks)
+        shutil.copy(files[which], out)
+        rng.choice(list(crafted.files(work / "executed").values()))[0](out)
+    elif kind == "file":
         data = bytearray(files[which].read_bytes())
         if rng.random() < 0.5:
             data = data[: rng.randrange(len(data))]
@@ -117,7 +121,7 @@ def same(a: object, b: object) -> bool:
     import numpy as np
     import torch
 
-    from pipeline.checkpoints.pickle_allowlist import StandIn
+    from pipeline.checkpoints.safe_pickle import StandIn
 
     if type(a) is not type(b):
         return False
@@ -149,7 +153,7 @@ def data_only(value: object, depth: int = 0) -> None:
     import numpy as np
     import torch
 
-    from pipeline.checkpoints.pickle_allowlist import StandIn
+    from pipeline.checkpoints.safe_pickle import StandIn
 
     if depth > 70:
         raise AssertionError("nested deeper than the loader allows")

@@ -1,12 +1,12 @@
-"""Every crafted construct (tests/helpers/crafted_pickles.py) through every entry point that reads a pickle, in one
-process (imports paid once): consolidate and convert both ways (`pipeline.cli.main`, as the commands run), the train
-stage's resume (`resume.prepare` under the stages' error handling: train.resume_from, the run's own folder, a
-checkpoint of another layout and the universal form beside it, RNG states), merge and evaluate with `.bin` bases and
-adapters (evaluate, which loads a tokenizer and a model first, with a few constructs; every construct goes through
-consolidate). Each case gets a fresh copy of its inputs (hard links) in which one file carries the payload, then
-must: exit 2 with one line naming that file and the construct, print no traceback, leave the marker file unmade,
-write no output and leave every input file as it was. Python's copyreg registry holds posix.system under the EXT
-code, so that the EXT payloads are live.
+"""Every crafted construct (tests/helpers/crafted_pickles.py: payloads spliced into a file, and whole crafted files)
+through every entry point that reads a pickle, in one process (imports paid once): consolidate and convert both ways
+(`pipeline.cli.main`, as the commands run), the train stage's resume (`resume.prepare` under the stages' error
+handling: train.resume_from, the run's own folder, a checkpoint of another layout and the universal form beside it,
+RNG states), merge and evaluate with `.bin` bases and adapters (evaluate, which loads a tokenizer and a model first,
+with a few constructs; every construct goes through consolidate). Each case gets a fresh copy of its inputs (hard
+links) in which one file carries the payload, then must: exit 2 with one line naming that file and the construct,
+print no traceback, leave the marker file unmade, write no output and leave every input file as it was. Python's
+copyreg registry holds posix.system under the EXT code, so that the EXT payloads are live.
 
     python -m tests.helpers.untrusted_entries CONFIG.json      # one JSON line per case on stdout
 """
@@ -36,8 +36,12 @@ CORE = (
     "numpy void dtype claiming object items", "a persistent id naming a storage outside the file",
     "STACK_GLOBAL deepspeed.runtime.engine.os.system", "STACK_GLOBAL torch.os.system", "EXT4 posix.system",
     "NEWOBJ_EX argparse.Namespace whose keyword argument calls posix.system",
+    "30,000 copies of one large tuple as dict keys", *crafted.files(Path("never")),
 )  # fmt: skip
-FEW = ("INST os.system", "STACK_GLOBAL torch.os.system", "numpy array of object dtype", CORE[9])  # slow entries
+FEW = (  # the slow entries
+    "INST os.system", "STACK_GLOBAL torch.os.system", "numpy array of object dtype", CORE[9],
+    "a TorchScript archive whose __setstate__ writes a file", "a 8 x 4096 tensor of stride 0 over one element",
+)  # fmt: skip
 TAG = "step_000006"
 
 
@@ -199,12 +203,16 @@ def run_case(entry: str, make: Callable[[Path], Case], construct: str, at: Path)
     marker = at / "executed"
     at.mkdir(parents=True)
     case = make(at)
-    payload, named = crafted.payloads(marker)[construct]
-    key = "extra"
-    if case.target.name.startswith("rng_state") and construct == "numpy array of object dtype":
-        key = "numpy"  # the RNG state's own numpy entry, replaced by ('MT19937', object array, 0, 0, 0.0)
-        payload = crafted.tuple_(crafted.text("MT19937"), payload, *[crafted.small(0)] * 2, crafted.OP["NONE"])
-    crafted.carry(case.target, key, payload)
+    if construct in (whole := crafted.files(marker)):
+        rewrite, named = whole[construct]
+        rewrite(case.target)
+    else:
+        payload, named = crafted.payloads(marker)[construct]
+        key = "extra"
+        if case.target.name.startswith("rng_state") and construct == "numpy array of object dtype":
+            key = "numpy"  # the RNG state's own numpy entry, replaced by ('MT19937', object array, 0, 0, 0.0)
+            payload = crafted.tuple_(crafted.text("MT19937"), payload, *[crafted.small(0)] * 2, crafted.OP["NONE"])
+        crafted.carry(case.target, key, payload)
     before = snapshot(case.inputs)
     stderr, code, escaped = io.StringIO(), None, None
     with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
@@ -234,7 +242,7 @@ def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
     work = Path(config["work"])
     copyreg.add_extension("posix", "system", crafted.EXT_CODE)
-    every = list(crafted.payloads(work / "never"))
+    every = [*crafted.payloads(work / "never"), *crafted.files(work / "never")]
     number = 0
     for entry, make in entries(config, work).items():
         constructs = (

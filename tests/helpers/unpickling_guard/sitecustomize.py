@@ -1,9 +1,9 @@
 """Loaded by every Python process started with this folder first on PYTHONPATH (the DeepSpeed launcher passes
 PYTHON* variables to its ranks): any unpickling outside the restricted loader raises, and is written down.
 
-- torch.load is allowed only with the checkpoint loader's pickle module (pipeline/checkpoints/safe_pickle.py);
-  every such load is logged with its file, anything else is a violation (DeepSpeed's own torch.load with
-  weights_only=False, transformers' or PEFT's weights_only=True, any other);
+- torch.load is allowed only as the checkpoint loader (pipeline/checkpoints/safe_pickle.py) calls it, with
+  weights_only=True; every such load is logged with its file, anything else is a violation (DeepSpeed's own
+  torch.load with weights_only=False, transformers' or PEFT's torch.load, any other);
 - Python's unpickler reading a file (pickle.load, pickle.Unpickler on a file, numpy's np.load) is a violation;
   inside a torch.load any use of Python's unpickler is.
 The log folder ($UNPICKLING_GUARD_LOG) gets one `loads-PID` file per process (its argv first, then each file loaded)
@@ -19,7 +19,7 @@ import threading
 import traceback
 
 LOG = os.environ["UNPICKLING_GUARD_LOG"]
-RESTRICTED = "pipeline_checkpoint_pickle"  # safe_pickle.MODULE_NAME
+LOADER = "pipeline.checkpoints.safe_pickle"  # the one module that may call torch.load
 _inside = threading.local()
 
 
@@ -61,9 +61,9 @@ def _guard_torch(torch) -> None:
     original = torch.load
 
     def load(f, *args, **kwargs):
-        module = kwargs.get("pickle_module")
-        if getattr(module, "__name__", None) != RESTRICTED:
-            _violation(f"torch.load({f!r}, weights_only={kwargs.get('weights_only')}) without the restricted loader")
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if caller != LOADER or kwargs.get("weights_only") is not True:
+            _violation(f"torch.load({f!r}, weights_only={kwargs.get('weights_only')}) from {caller}, not the loader")
         _write("loads", f"restricted {f}")
         _inside.torch_load = True
         try:
