@@ -219,8 +219,9 @@ def cpu_inputs(root: Path, shape: dict, lengths) -> tuple[Path, dict[int, Path]]
     from bench.common import peoples_daily_text
     from bench.scale_check import write_random_llama
     from pipeline.core.assets import resolve
+    from pipeline.data import streamed
+    from pipeline.data.assembly import Packing
     from pipeline.data.tokenizer import META, load_tokenizer
-    from tests.helpers.datasets import build_pretraining, save_splits
 
     gguf = resolve(yaml.safe_load((REPO / "conf/model/smollm2_135m.yaml").read_text())["path"])
     tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
@@ -238,8 +239,18 @@ def cpu_inputs(root: Path, shape: dict, lengths) -> tuple[Path, dict[int, Path]]
             total += len(doc)
             if total > need:
                 break
-        tables, _ = build_pretraining(tokenizer, text, block_size=length, tail="drop", validation_fraction=0.34, seed=0)
-        save_splits(root / f"dataset_{length}", tables)
+        (root / f"text_{length}.txt").write_text("\n".join(text) + "\n", encoding="utf-8")
+        packing = Packing("text", length, "drop", "alpaca", length, validation_fraction=0.34, seed=0)
+        streamed.build(
+            root / f"dataset_{length}",
+            tokenizer_dir=root / "tokenizer",
+            train_file=str(root / f"text_{length}.txt"),
+            heldout_fraction=None,
+            packing=packing,
+            work=root / f"parts_{length}",
+            workers=1,
+            chunk_chars=1 << 30,
+        )
         datasets[length] = root / f"dataset_{length}"
     return root / "base", datasets
 

@@ -125,7 +125,7 @@ def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
     prepare_base writes beside every base it imports (the train stage reads it instead of importing the model's code:
     about 1.5 s of each launch here)."""
     from pipeline.model import outline
-    from tests.helpers.tiny_model import write_tiny_llama
+    from tools.tiny_model import write_tiny_llama
 
     out = tmp_path_factory.mktemp("tiny_base") / "model"
     write_tiny_llama(out, smol_tokenizer_dir)

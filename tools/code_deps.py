@@ -44,8 +44,9 @@ def modules(root: Path = REPO) -> dict[str, Path]:
     return found
 
 
-def _referenced(path: Path, known: dict[str, Path]) -> set[str]:
-    """Modules of ours that `path` imports (anywhere) or names in a string (started by name)."""
+def imported_names(path: Path, *, strings: bool = False) -> set[str]:
+    """What `path` imports, anywhere in it (a `from M import N` gives M and M.N); with `strings`, every string
+    constant too (a module started by name)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -53,9 +54,14 @@ def _referenced(path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
             names.add(node.value)
-    return {name for name in names if name in known}
+    return names
+
+
+def _referenced(path: Path, known: dict[str, Path]) -> set[str]:
+    """Modules of ours that `path` imports (anywhere) or names in a string (started by name)."""
+    return {name for name in imported_names(path, strings=True) if name in known}
 
 
 def holds_code(path: Path) -> bool:

@@ -124,7 +124,7 @@ def tiny_model(workdir: Path) -> Path:
     """The tiny random LLaMA (SmolLM2's tokenizer) the default check trains."""
     from pipeline.core.assets import resolve
     from pipeline.data.tokenizer import load_tokenizer
-    from tests.helpers.tiny_model import write_tiny_llama
+    from tools.tiny_model import write_tiny_llama
 
     gguf = resolve(yaml.safe_load((REPO / "conf/model/smollm2_135m.yaml").read_text(encoding="utf-8"))["path"])
     load_tokenizer(gguf.parent, gguf_file=gguf.name).save_pretrained(str(workdir / "tokenizer"))

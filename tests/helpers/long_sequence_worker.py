@@ -24,7 +24,7 @@ def main() -> None:
 
     from pipeline import kernels
     from pipeline.model import tiled_mlp
-    from tests.helpers.tiny_model import tiny_llama_config
+    from tools.tiny_model import tiny_llama_config
 
     torch.manual_seed(0)
     shape = {"hidden_size": 16, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 1,

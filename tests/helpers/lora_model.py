@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from tests.helpers.devices import deterministic_attention
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
 

@@ -25,7 +25,7 @@ def lora_model(kernels: str) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     from pipeline import kernels as speed_paths
-    from tests.helpers.tiny_model import tiny_llama_config
+    from tools.tiny_model import tiny_llama_config
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB, tie_word_embeddings=False))

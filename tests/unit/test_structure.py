@@ -21,6 +21,18 @@ def test_stage_files_are_the_dvc_stages():
     assert code_deps.stage_entries() == {name: f"stages.{name}" for name in stages}
 
 
+def test_tools_and_benchmarks_import_nothing_from_the_tests():
+    """What `make` runs outside the suite (tools/, bench/) stands on the product alone."""
+    found = [
+        f"{path.relative_to(REPO)}: {name}"
+        for folder in ("tools", "bench")
+        for path in (REPO / folder).rglob("*.py")
+        for name in code_deps.imported_names(path)
+        if name == "tests" or name.startswith("tests.")
+    ]
+    assert found == []
+
+
 def test_dvc_yaml_lists_every_module_each_stage_runs():
     assert code_deps.problems() == {}
 

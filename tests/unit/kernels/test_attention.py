@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from pipeline.kernels import attention as cpu_attention
 from pipeline.kernels import cpp as cpu_kernels
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pipeline.data.batches import collate, pack
 from pipeline.data.examples import IGNORE_INDEX
 from pipeline.kernels import fused_loss
 from tests.helpers.devices import deterministic_attention
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 
 def tiny_lora(modules_to_save: list[str], dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:

@@ -20,7 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from pipeline.kernels import cpp as cpu_kernels
 from pipeline.kernels import lean_layers
 from tests.helpers.devices import deterministic_attention
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 LAYERS, HIDDEN, INTERMEDIATE, TOKENS = 2, 32, 96, 2 * 17
 NORMS = 2 * LAYERS + 1

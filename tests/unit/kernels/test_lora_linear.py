@@ -72,7 +72,7 @@ def test_under_zero3_only_the_decoder_layers_lora_is_fused():
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
-    from tests.helpers.tiny_model import tiny_llama_config
+    from tools.tiny_model import tiny_llama_config
 
     model = LlamaForCausalLM(tiny_llama_config(vocab_size=101, num_hidden_layers=2))
     model = get_peft_model(model, LoraConfig(r=4, target_modules=[*TARGETS, "lm_head"]))

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 from pipeline.kernels import offloaded_checkpoints
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 
 def tiny_lora(device: str = "cpu") -> torch.nn.Module:

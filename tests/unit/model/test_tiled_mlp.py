@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 
 from pipeline import kernels
 from pipeline.model import tiled_mlp
-from tests.helpers.tiny_model import tiny_llama_config
+from tools.tiny_model import tiny_llama_config
 
 HIDDEN, INTERMEDIATE = 16, 64
 

@@ -158,7 +158,7 @@ def adapted(dtype: torch.dtype, fused: bool, device: str, trained_head: bool = F
     from transformers import LlamaForCausalLM
 
     from pipeline.kernels import fused_loss
-    from tests.helpers.tiny_model import tiny_llama_config
+    from tools.tiny_model import tiny_llama_config
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(tiny_llama_config(vocab_size=512, tie_word_embeddings=not trained_head)).to(dtype)

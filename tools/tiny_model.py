@@ -1,5 +1,5 @@
-"""The tests' tiny random LLaMA: its shape, and the model written as a plain HF folder (also the model of `make
-repro-check`)."""
+"""The tiny random LLaMA of `make repro-check` (and of the tests): its shape, and the model written as a plain HF
+folder."""
 
 from __future__ import annotations
 
