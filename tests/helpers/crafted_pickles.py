@@ -243,9 +243,10 @@ def inflating(target: Path, inflated: int = 128 << 20) -> None:
 
 
 def with_tensor(target: Path, tensor: torch.Tensor) -> None:
-    """`target` saved again by torch.save with one more top-level entry, `tensor` (its view as it is)."""
+    """`target` saved again by torch.save with one more top-level entry, `tensor` (its view as it is; a file whose
+    value is not a dict becomes one holding it)."""
     value = torch.load(target, map_location="cpu", weights_only=False)  # the test's own fixture file
-    value["extra"] = tensor
+    value = {**value, "extra": tensor} if isinstance(value, dict) else {"value": value, "extra": tensor}
     replace(target, lambda out: torch.save(value, out))
 
 
