@@ -123,7 +123,7 @@ def scan(source: BinaryIO | bytes, *, budget: int) -> Scan:
                 work += sum(node.weight for node in consumed)
             if work > budget:
                 raise Refused(f"dict keys and call arguments that take {work:,}+ element visits to hash or pass")
-            stack.extend(_results(name, arg, consumed, storages))
+            stack.extend(_results(op, arg, consumed, storages))
             if name == "STOP":
                 return Scan(storages, consumed[0].literal)
     except (ValueError, IndexError) as err:
@@ -150,8 +150,9 @@ def _pop(stack: list[Node], marks: list[int], before: list) -> list[Node]:
     return taken
 
 
-def _results(name: str, arg: object, consumed: list, storages: list[StorageId]) -> list[Node]:
+def _results(op: pickletools.OpcodeInfo, arg: object, consumed: list, storages: list[StorageId]) -> list[Node]:
     """What an opcode leaves on the stack."""
+    name = op.name
     if name in MUTATORS:
         target, *items = consumed
         for item in items:
@@ -159,7 +160,7 @@ def _results(name: str, arg: object, consumed: list, storages: list[StorageId]) 
         if name == "BUILD":
             target.literal = UNSET
         return [target]
-    if name in ("POP", "POP_MARK", "STOP"):
+    if not op.stack_after:  # POP, POP_MARK, STOP, PROTO, FRAME
         return []
     if name == "DUP":
         return consumed * 2
