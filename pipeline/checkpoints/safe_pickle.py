@@ -12,7 +12,8 @@ not bound (each measured in docs/checkpoints.md):
 - the pickles, read opcode by opcode and never run (`pickle_scan`): hashing work, nesting, and each persistent id
   against the file (the size of its record; a legacy file's storages within the file and all of them filled);
 - the value torch built (`check_value`): plain containers without cycles or deep nesting, every tensor a dense,
-  strided CPU tensor inside its storage, without zero or overlapping strides, hooks or attributes.
+  strided CPU tensor inside its storage, without zero or overlapping strides or hooks, its attributes (ZeRO-3's
+  `ds_id`) plain values under names none of torch's.
 
 A refusal raises `UnsafePickle` naming the file and the construct; a damaged file `UnreadablePickle`; both are
 ValueErrors (bad input). `trust=True` or TRUSTED (`--trust-pickles` of consolidate/convert, for a user's own files)
@@ -326,11 +327,13 @@ def _children(item: object) -> list:
 
 
 def _check_tensor(tensor: torch.Tensor) -> None:
-    """A dense, strided CPU tensor inside its storage, without zero or overlapping strides, hooks or attributes."""
+    """A dense, strided CPU tensor inside its storage, without zero or overlapping strides, hooks, or attributes but
+    plain values under names none of torch's."""
     if tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.is_quantized or tensor.is_nested:
         raise Refused(f"a {tensor.layout} tensor on {tensor.device} (checkpoints hold dense CPU tensors)")
-    if tensor._backward_hooks or vars(tensor):
-        raise Refused("a tensor saved with backward hooks or attributes")
+    plain = all(_field(n) and not hasattr(torch.Tensor, n) and type(v) in LEAVES for n, v in vars(tensor).items())
+    if tensor._backward_hooks or not plain:  # ZeRO-3's flat groups carry their ds_id
+        raise Refused("a tensor saved with backward hooks, or attributes other than plain values under plain names")
     if tensor.numel() == 0:
         return
     dims = sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape, strict=True) if n > 1)

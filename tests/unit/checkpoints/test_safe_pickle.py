@@ -356,3 +356,21 @@ def test_the_loader_never_uses_pythons_unpickler(tmp_path, base_file, monkeypatc
     monkeypatch.setattr(pickle, "Unpickler", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     assert torch.equal(safe_pickle.load(tmp_path / "copy.pt")["t"], torch.arange(4.0))
+
+
+def test_tensor_attributes_load_only_as_plain_values_under_names_none_of_torchs(tmp_path):
+    """ZeRO-3 saves its flat fp32 groups with their `ds_id`; an attribute that shadows a tensor method is refused."""
+    tagged = torch.zeros(3)
+    tagged.ds_id = "22_50"
+    torch.save({"t": tagged}, tmp_path / "ok.pt")
+    assert safe_pickle.load(tmp_path / "ok.pt")["t"].ds_id == "22_50"
+    for name, value, problem in (
+        ("clone", 5, "attributes other than plain values"),
+        ("ds_id", [1], "attributes other than plain values"),
+        ("__class__", "x", "__class__ must be set to a class"),  # torch's own setattr fails
+    ):
+        shadowing = torch.zeros(3)
+        shadowing.__dict__[name] = value
+        torch.save({"t": shadowing}, tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match=problem):
+            safe_pickle.load(tmp_path / "bad.pt")
