@@ -66,7 +66,7 @@ def build_engine(plan: Plan):
     layout = sequence_parallel.initialize(launch.sequence_parallel, zero_stage=plan.zero_stage)
     ulysses.install(model, layout)
     if launch.tiled_mlp:
-        installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)
+        installed["tiled_mlp"] = tiled_mlp.install(model)
     if launch.checkpoint_offload:
         installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
     if plan.zero_stage == 3:
