@@ -77,7 +77,8 @@ def zero_init_keeps_dtype() -> None:
     `partition_parameters.py: Init._set_dtype` reads `dtype or torch.float16 if fp16 else torch.bfloat16 if bf16 else
     torch.float32`, which Python groups as `(dtype or fp16) if fp16 else ...`: on a CPU without fp16 (AMD's, Intel's
     before Sapphire Rapids) every partition of an fp32 ZeRO-3 run (the engine converts through Init with its dtype)
-    was bf16. Fix: the dtype given is kept. Safe: it is what the code means; no dtype given keeps DeepSpeed's rule."""
+    was bf16 (DeepSpeed's open PR #8428 adds the missing `()` to `is_bf16_supported` on that line, not this grouping).
+    Fix: the dtype given is kept. Safe: it is what the code means; no dtype given keeps DeepSpeed's rule."""
     from deepspeed.runtime.zero.partition_parameters import Init
 
     without = "an fp32 ZeRO-3 run partitions in bf16 where the accelerator lacks fp16"
