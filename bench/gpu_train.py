@@ -12,9 +12,9 @@ Variants (`--variants`, in this order by default):
 - default: the defaults (every kernel path `auto` installs; checkpointing auto: off where the run fits);
 - low_memory: the defaults with checkpointing on (train.gradient_checkpointing=true);
 - zero3: the defaults under ZeRO-3 (LoRA's tensors kept whole, a layer prefetched);
-- zero3_no_fetch: zero3 without kernels/zero3_fetch (DeepSpeed's own fetch: its effect measured in the same call);
-- zero3_no_release: zero3 without kernels/zero3_release (DeepSpeed's own release, measured the same way);
-- zero3_no_flags: zero3 without kernels/zero3_flags (DeepSpeed's walk of the modules at each forward);
+- zero3_no_fetch: zero3 without the zero3_fetch patch (DeepSpeed's own fetch: its effect measured in the same call);
+- zero3_no_release: zero3 without the zero3_release patch (DeepSpeed's own release, measured the same way);
+- zero3_no_flags: zero3 without the zero3_flags patch (DeepSpeed's walk of the modules at each forward);
 - dpo: DPO (reference precomputed) on pairs of two 2,048-token sides, the LM step's 4,096 tokens a step;
 - nemo: NeMo AutoModel's published shape (micro-batch 2 x 4,096, 16 micro-batches a step), 3 steps;
 - eager: transformers + PEFT's own loop (SDPA, torch's fused AdamW), checkpointing off.

@@ -9,10 +9,10 @@ TRL's SFTTrainer takes), PEFT and ZeRO-2 under `accelerate launch` (bench/long_c
 rows and settings; `speedup_over_peer` is ours over its tokens/s.
 
 On one GPU (`--gpu`, where CUDA is present; nothing is downloaded): Llama-3-8B's shape with random weights made on the
-GPU, LoRA r=16 on every linear layer, bf16, one sequence a step, a rank's model path without DeepSpeed (one card:
-nothing to partition or split; DeepSpeed is not installed on the lent machines): our kernels, the tiled MLP,
-activation checkpointing with the kept layer inputs in pinned host memory; the lengths grow (4k, 32k, 128k, 256k,
-512k) until one runs out of memory or its predicted time passes the budget. Beside it, the loop a user writes with
+GPU, LoRA r=16 on every linear layer, bf16, one sequence a step, a rank's model path without DeepSpeed's engine (one
+card: nothing to partition or split; the tiled MLP is DeepSpeed's: `make gpu-wheels` carries it): our kernels, the
+tiled MLP, activation checkpointing with the kept layer inputs in pinned host memory; the lengths grow (4k, 32k, 128k,
+256k, 512k) until one runs out of memory or its predicted time passes the budget. Beside it, the loop a user writes with
 transformers and PEFT alone (SDPA, checkpointing, fused AdamW) on the same model and lengths, as far as it goes. Goals
 on one H100 (issue 46): >= 128k tokens a sequence, aiming at ALST's 500k; tokens/s at 32k within 0.8x of 4k's per
 token with attention's extra work accounted for (`work_ratio_32k_over_4k`: the ratio of the FLOPs rates).

@@ -5,10 +5,10 @@ over the layer paths a GPU installs (`kernels.apply` for CUDA, PyTorch's operato
 CPU time of one thread per step, in blocks of steps. This machine's speed moves between runs more than within one, so
 `--compare NAME` trains one engine in alternating blocks with and without one change:
 
-- `zero3_release`: kernels/zero3_release.py's release against DeepSpeed's own;
+- `zero3_release`: core/deepspeed_patches.py's release against DeepSpeed's own;
 - `aten_linear`: the kernels' products through ATen's linear against `torch.nn.functional.linear` (DeepSpeed's
   replacement of it under ZeRO-3);
-- `zero3_flags`: kernels/zero3_flags.py's forward flags set through a list against DeepSpeed's walk of the modules.
+- `zero3_flags`: core/deepspeed_patches.py's forward flags set through a list against DeepSpeed's walk of the modules.
 
     python -m tools.host_step [--stage 3] [--compare zero3_release] [--rounds 16] [--steps 5] [--layers 32]
 
@@ -37,7 +37,7 @@ def engine_for(*, stage: int, layers: int, width: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline import kernels
-    from pipeline.core import imports
+    from pipeline.core import deepspeed_patches
     from pipeline.model.lora import parameter_groups
     from pipeline.training import ds_config
     from pipeline.training.rank import gather_whole_layers
@@ -57,7 +57,7 @@ def engine_for(*, stage: int, layers: int, width: int):
         weight_decay=0.0, adam_epsilon=1e-8, max_grad_norm=1.0,
     )  # fmt: skip
     groups = parameter_groups(model, 0.0, lr=1e-3, lr_ratio=None)
-    engine, *_ = imports.deepspeed().initialize(model=model, model_parameters=groups, config=config)
+    engine, *_ = deepspeed_patches.imported().initialize(model=model, model_parameters=groups, config=config)
     kernels.tune_engine(engine, enabled="auto")
     return engine
 
@@ -66,7 +66,8 @@ def switch(name: str, calls: list, engine):
     """`set(on)`: the change `name` in place (on) or not; each call of the replaced function appends to `calls`."""
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as coordinator
 
-    from pipeline.kernels import linear, zero3_flags, zero3_release
+    from pipeline.core.deepspeed_patches import RELEASE, zero3_flags
+    from pipeline.kernels import linear
 
     if name == "zero3_flags":
         deepspeed_prologue = type(engine)._forward_prologue
@@ -76,23 +77,24 @@ def switch(name: str, calls: list, engine):
             return deepspeed_prologue(engine, *args)
 
         def set_flags(on: bool) -> None:
-            zero3_flags.uninstall(engine)
+            for method in ("_forward_prologue", "_forward_epilogue"):  # DeepSpeed's own again
+                engine.__dict__.pop(method, None)
             if on:
-                zero3_flags.install(engine)
+                zero3_flags(engine)
             else:
                 engine._forward_prologue = counted_prologue
 
         return set_flags
 
     if name == "zero3_release":
-        ours = getattr(coordinator, zero3_release.RELEASE)
+        ours = getattr(coordinator, RELEASE)
         theirs = ours.replaced  # DeepSpeed's own
 
         def counted_release(*args, **kwargs):
             calls.append(1)
             return theirs(*args, **kwargs)
 
-        return lambda on: setattr(coordinator, zero3_release.RELEASE, ours if on else counted_release)
+        return lambda on: setattr(coordinator, RELEASE, ours if on else counted_release)
 
     def functional(x, weight, bias=None):
         calls.append(1)
@@ -112,12 +114,12 @@ def block(engine, ids: torch.Tensor, steps: int) -> float:
 
 
 def measure(*, stage: int, layers: int, width: int, rounds: int, steps: int, compare: str | None) -> dict:
-    from pipeline.core import imports
+    from pipeline.core import deepspeed_patches
     from pipeline.core.environment import free_port
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.set_num_threads(1)
-    imports.deepspeed().init_distributed(dist_backend="gloo")
+    deepspeed_patches.imported().init_distributed(dist_backend="gloo")
     engine = engine_for(stage=stage, layers=layers, width=width)
     engine.train()
     ids = torch.randint(0, 1024, (1, TOKENS), generator=torch.Generator().manual_seed(0))

@@ -12,15 +12,9 @@ the rank trains on. Each module replaces a forward of the stock model with one c
 - `allocator`: the loop's large tensors from a region of its own, freed memory kept, glibc tuned (CPU).
 - `compiled_layers`: each decoder layer through torch.compile, its elementwise work fused (CUDA; under ZeRO-3 the
   layer is gathered whole around the compiled forward).
-- `zero_tail`: ZeRO-1/2's overflow check and clipping norm as one fused pass over the gradient partition (any device).
-- `zero3_lists`: ZeRO-3's list of each module's parameters read once, not walked in Python at every fetch and
-  release (any device).
-- `zero3_fetch`: ZeRO-3's fetch of a partition that is the whole tensor on the device already (one rank), without
-  DeepSpeed's host sync (any device).
-- `zero3_release`: ZeRO-3's release of a gathered parameter whose partition is kept, without DeepSpeed's
-  partitioning path and its debug messages (any device).
-- `zero3_flags`: ZeRO-3's "in a forward pass" flag of each module set through a list read once, not by walking the
-  module tree twice a step (any device).
+- on the engine DeepSpeed built, on any device: `zero_tail` (ZeRO-1/2's overflow check and clipping norm in one
+  pass), `zero3_lists`, `zero3_fetch`, `zero3_release`, `zero3_flags` (ZeRO-3's host work): patches of DeepSpeed's
+  internals, kept with the others in `pipeline/core/deepspeed_patches.py`, each off on another DeepSpeed version.
 - `cpp`: the C++ of csrc/, compiled once per environment with -march=native (`make setup`); another CPU's path
   (`PIPELINE_KERNELS_ISA`: avx512, avx2, scalar) into a folder of its own, for tests.
 - `cpu_paths`: which path each CPU-dependent library takes here (ATen, oneDNN, MKL, `cpp`), by name: the train
@@ -40,6 +34,8 @@ from __future__ import annotations
 
 import importlib
 
+from pipeline.core.deepspeed_patches import ENGINE  # installed on the engine DeepSpeed built (tune_engine)
+
 SWITCH = ("auto", "off")
 MODULES = {  # imported only when chosen
     "lean_layers": "pipeline.kernels.lean_layers",
@@ -48,25 +44,19 @@ MODULES = {  # imported only when chosen
     "linear": "pipeline.kernels.linear",
     "attention": "pipeline.kernels.attention",
     "compiled_layers": "pipeline.kernels.compiled_layers",
-    "zero_tail": "pipeline.kernels.zero_tail",
-    "zero3_lists": "pipeline.kernels.zero3_lists",
-    "zero3_fetch": "pipeline.kernels.zero3_fetch",
-    "zero3_release": "pipeline.kernels.zero3_release",
-    "zero3_flags": "pipeline.kernels.zero3_flags",
 }
 GENERIC = ("lean_layers", "fused_loss", "lora_linear")  # PyTorch operators on any device
 CPU_ONLY = ("linear", "attention")
 CUDA_ONLY = ("compiled_layers",)  # last: it compiles the layers as the paths before it left them
-# installed on the engine DeepSpeed built (tune_engine), on any device
-ENGINE = ("zero_tail", "zero3_lists", "zero3_fetch", "zero3_release", "zero3_flags")
 
 
 def _checked(enabled: str, skip: tuple[str, ...]) -> None:
     if enabled not in SWITCH:
         raise ValueError(f"train.kernels: {enabled!r}; expected one of {', '.join(SWITCH)}")
-    unknown = [name for name in skip if name not in MODULES]
+    names = [*MODULES, *ENGINE]
+    unknown = [name for name in skip if name not in names]
     if unknown:
-        raise ValueError(f"train.kernels_skip: {unknown} are not kernel paths; expected some of {sorted(MODULES)}")
+        raise ValueError(f"train.kernels_skip: {unknown} are not kernel paths; expected some of {sorted(names)}")
 
 
 def chosen(*, device: str, enabled: str, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -97,8 +87,7 @@ def tune_engine(engine, *, enabled: str, skip: tuple[str, ...] = ()) -> dict[str
     _checked(enabled, skip)
     if enabled == "off":
         return {}
-    names = [name for name in ENGINE if name not in skip]
-    return {name: int(importlib.import_module(MODULES[name]).install(engine)) for name in names}
+    return {name: int(patch(engine)) for name, patch in ENGINE.items() if name not in skip}
 
 
 def environment(*, device: str, enabled: str) -> dict[str, str]:

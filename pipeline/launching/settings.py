@@ -42,9 +42,9 @@ def check_precision(precision: str, accelerator: str) -> None:
     if (accelerator, precision) in ALWAYS_SUPPORTED:
         return
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
-    from pipeline.core import imports
+    from pipeline.core import deepspeed_patches
 
-    imports.deepspeed()
+    deepspeed_patches.imported()
     from deepspeed.accelerator import get_accelerator
 
     supported = {

@@ -11,6 +11,6 @@
 - `outline`: the base's module outline (layers, Linear layers, head) written once, read instead of the architecture.
 - `lora`: the PEFT LoRA model (targets checked, DoRA, LoRA+ parameter groups, vocabulary resize).
 - `quantization`: a bitsandbytes-quantized base (QLoRA nf4, int8).
-- `tiled_mlp`: every decoder layer's MLP a tile of positions at a time (DeepSpeed ALST's TiledMLP): long sequences
-  in training (`train.tiled_mlp`) and long evaluation windows.
+- `tiled_mlp`: every decoder layer's MLP a tile of positions at a time through DeepSpeed ALST's TiledMLP: long
+  sequences in training (`train.tiled_mlp`) and long evaluation windows.
 """

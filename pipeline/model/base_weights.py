@@ -154,10 +154,10 @@ def _fill(model: torch.nn.Module, *, base_dir: Path, init: str, seed: int, part:
 def _partition_only():
     """deepspeed.zero.Init without its broadcast of every new parameter from rank 0 (which makes each other rank
     hold the whole parameter, and sends the whole model, only for the values to be overwritten from the files), and
-    keeping the dtype it is given (imports.zero_init_keeps_dtype)."""
-    from pipeline.core import imports
+    keeping the dtype it is given (deepspeed_patches.zero_init_keeps_dtype)."""
+    from pipeline.core import deepspeed_patches
 
-    deepspeed = imports.deepspeed()
+    deepspeed = deepspeed_patches.imported()
 
     class PartitionOnly(deepspeed.zero.Init):
         def _zero_init_param(self, param):  # DeepSpeed 0.19: convert, broadcast, partition

@@ -66,7 +66,7 @@ def build_engine(plan: Plan):
     layout = sequence_parallel.initialize(launch.sequence_parallel, zero_stage=plan.zero_stage)
     ulysses.install(model, layout)
     if launch.tiled_mlp:
-        installed["tiled_mlp"] = tiled_mlp.install(model, partitioned=plan.zero_stage == 3)
+        installed["tiled_mlp"] = tiled_mlp.install(model)
     if launch.checkpoint_offload:
         installed["offloaded_checkpoints"] = offloaded_checkpoints.install(model)
     if plan.zero_stage == 3:
@@ -297,7 +297,7 @@ def main() -> None:
     """The rank's process: imports, then waits until the stage releases it (started ahead on one node), then runs
     the plan the stage wrote."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from pipeline.core import imports
+    from pipeline.core import deepspeed_patches, imports
     from pipeline.core.errors import guarded
     from pipeline.core.quiet import quiet_third_parties
     from pipeline.launching import rank_server
@@ -307,7 +307,7 @@ def main() -> None:
     quiet_third_parties()
     if os.environ.get(KEEP_BITSANDBYTES) != "1":  # known before the plan is read: the imports come first
         imports.without_unused()
-    deepspeed = imports.deepspeed()
+    deepspeed = deepspeed_patches.imported()
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401
 

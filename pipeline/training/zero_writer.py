@@ -78,10 +78,10 @@ def engine_config(source: dict, stage: int, world: int) -> dsc.EngineConfig:
 
 def write_rank(*, universal: Path, out: Path, base: Path, stage: int) -> None:
     """One rank: build the engine, place the universal checkpoint into it, save."""
-    from pipeline.core import imports
+    from pipeline.core import deepspeed_patches
     from pipeline.model.lora import LoraSpec, lora_skeleton, parameter_groups
 
-    deepspeed = imports.deepspeed()
+    deepspeed = deepspeed_patches.imported()
     deepspeed.init_distributed()
     rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
     state = read_json(universal / folder.STATE)

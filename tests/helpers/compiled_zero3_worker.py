@@ -1,7 +1,7 @@
 """Started by tests/unit/kernels/test_compiled_layers.py as a process of its own (one rank over gloo, no launcher): a
 tiny LoRA model with a trained head under ZeRO-3, its decoder layers gathered whole as the rank gathers them, over
 the layer paths a GPU installs; trained two steps with the layers eager, then compiled, then eager with the fetch of
-`kernels/zero3_fetch.py` (one rank: no gather), then with that fetch and the release of `kernels/zero3_release.py`.
+`deepspeed_patches.zero3_fetch` (one rank: no gather), then with that fetch and its release (`zero3_release`).
 Writes each run's losses and gathered trained tensors to OUT/{eager,compiled,fetched,released}.safetensors, and the
 graphs compiled, the fetches without a host sync and the releases (direct, and through DeepSpeed's path) to
 OUT/counts.json."""
@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.core import imports
+from pipeline.core import deepspeed_patches
+from pipeline.core.deepspeed_patches import RELEASE, Fetched, zero3_fetch, zero3_release
 from pipeline.core.environment import free_port
-from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear, zero3_fetch, zero3_release
+from pipeline.kernels import compiled_layers, fused_loss, lean_layers, linear, lora_linear
 from pipeline.model.lora import parameter_groups
 from pipeline.training import ds_config, loop
 from pipeline.training.rank import gather_whole_layers
@@ -25,7 +26,7 @@ from tests.helpers.zero_worker import EPSILON  # Adam's, large enough not to amp
 
 
 def train(*, compiled: bool, fetched: bool, released: bool, counts: dict) -> dict[str, torch.Tensor]:
-    deepspeed = imports.deepspeed()
+    deepspeed = deepspeed_patches.imported()
     model = tiny_lora(torch.float32, layers=3)
     model.config.use_cache = False  # as load_lora_model sets it: no KV cache in training
     lean_layers.install(model)
@@ -41,10 +42,10 @@ def train(*, compiled: bool, fetched: bool, released: bool, counts: dict) -> dic
     groups = parameter_groups(model, 0.0, lr=1e-2, lr_ratio=None)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     if fetched:
-        assert zero3_fetch.install(engine)
+        assert zero3_fetch(engine)
     if released:
-        assert zero3_release.install(engine)
-        counting(zero3_release.RELEASE, counts, "direct_releases")
+        assert zero3_release(engine)
+        counting(RELEASE, counts, "direct_releases")
     engine.train()
     losses = []
     for step in range(2):
@@ -77,11 +78,11 @@ def main() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     linear._MATMUL = None  # a GPU's matmuls: torch's
     lean_layers._kernels = lambda x: None  # a GPU's MLP and norm: torch's operators
-    imports.deepspeed().init_distributed(dist_backend="gloo")
-    waits, wait = [], zero3_fetch._Fetched.wait
-    zero3_fetch._Fetched.wait = lambda handle, **kwargs: (waits.append(1), wait(handle, **kwargs))[1]  # counted
+    deepspeed_patches.imported().init_distributed(dist_backend="gloo")
+    waits, wait = [], Fetched.wait
+    Fetched.wait = lambda handle, **kwargs: (waits.append(1), wait(handle, **kwargs))[1]  # counted
     counts = {}
-    counting(zero3_release.RELEASE, counts, "deepspeed_releases")  # DeepSpeed's own release, every run
+    counting(RELEASE, counts, "deepspeed_releases")  # DeepSpeed's own release, every run
     for name in ("eager", "compiled", "fetched", "released"):
         before = compiled_layers.graphs()
         counts[f"deepspeed_releases_before_{name}"] = counts.get("deepspeed_releases", 0)

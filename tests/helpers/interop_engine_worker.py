@@ -176,7 +176,7 @@ def main() -> None:
     get_accelerator().is_fp16_supported = lambda: True
     # DeepSpeed probes the CPU with py-cpuinfo, a Python process each time, at every JIT load of its CPU Adam (each
     # case's engine, twice) and in DeepSpeedCPUAdam: asked once here, as in our ranks (what it writes is the same)
-    from pipeline.core.imports import cpu_info_once
+    from pipeline.core.deepspeed_patches import cpu_info_once
 
     cpu_info_once()
     for name in args.cases:

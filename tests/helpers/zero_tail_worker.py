@@ -1,6 +1,6 @@
 """Started by tests/integration/test_zero_tail.py through `deepspeed --num_gpus 2 --module
 tests.helpers.zero_tail_worker`: for ZeRO-1 and ZeRO-2 in fp32 and bf16, a LoRA engine with the fused step tail
-(pipeline/kernels/zero_tail.py) and one with DeepSpeed's own: after the same backward, DeepSpeed's clipping norm
+(`deepspeed_patches.zero_tail`) and one with DeepSpeed's own: after the same backward, DeepSpeed's clipping norm
 and ours; one step each; then an inf injected into one gradient element of rank 1 only, and whether each engine
 skipped that step on every rank with its parameters unchanged. Each rank writes `<out>/rank<R>.json`."""
 
@@ -13,7 +13,7 @@ import deepspeed.comm as dist
 import torch
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from pipeline.kernels import zero_tail
+from pipeline.core.deepspeed_patches import partition_norm, zero_tail
 from pipeline.launching.ranks import leave_process_group
 from pipeline.training import ds_config
 from tests.helpers.lora_model import tiny_lora
@@ -28,7 +28,7 @@ def engine_for(stage: int, precision: str, fused: bool):
     trained = [p for p in model.parameters() if p.requires_grad]
     engine, *_ = deepspeed.initialize(model=model, model_parameters=trained, config=config)
     if fused:
-        assert zero_tail.install(engine)
+        assert zero_tail(engine)
     return engine
 
 
@@ -47,7 +47,7 @@ def case(stage: int, precision: str, fused: bool) -> dict:
     optimizer = engine.optimizer
     backward(engine, 0)
     stock = float(DeepSpeedZeroOptimizer.scaled_global_norm(optimizer))
-    ours = float(zero_tail.partition_norm(optimizer))
+    ours = float(partition_norm(optimizer))
     before = trained(engine)
     engine.step()
     moved = any(not torch.equal(a, b) for a, b in zip(before, trained(engine), strict=True))

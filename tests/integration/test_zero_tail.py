@@ -1,4 +1,4 @@
-"""The fused step tail of ZeRO-1/2 (pipeline/kernels/zero_tail.py) on 2 CPU ranks over gloo: the clipping norm
+"""The fused step tail of ZeRO-1/2 (`deepspeed_patches.zero_tail`) on 2 CPU ranks over gloo: the clipping norm
 DeepSpeed computes tensor by tensor, within 1e-6 (relative), in fp32 and bf16; an inf in one gradient element of one
 rank skips the step on every rank, as DeepSpeed's own check does; and the train stage with the tail trains what it
 trains with DeepSpeed's step (`train.kernels_skip=[zero_tail]`), within fp32 rounding."""

@@ -1,7 +1,7 @@
-"""pipeline/core/imports.py in a fresh interpreter: DeepSpeed comes without MLflow, Muon and inductor, and MLflow and
-the absence of bitsandbytes and scipy behave as the train ranks need (MLflow importable afterwards; bitsandbytes and
-scipy invisible to find_spec, as PEFT and transformers look for them); zero.Init keeps the dtype it is given on an
-accelerator without fp16."""
+"""pipeline/core/imports.py with core/deepspeed_patches.imported in a fresh interpreter: DeepSpeed comes without
+MLflow, its Muon functions DeepSpeed's own uncompiled ones and no inductor, and MLflow and the absence of bitsandbytes
+and scipy behave as the train ranks need (MLflow importable afterwards; bitsandbytes and scipy invisible to find_spec,
+as PEFT and transformers look for them)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from pipeline.core import imports
 
 PROBE = """
-import importlib.util, json, sys
-from pipeline.core import imports
+import importlib.util, json, sys, types
+from pipeline.core import deepspeed_patches, imports
 imports.without_unused()
-imports.deepspeed()
-after = {name: name in sys.modules for name in ("mlflow", imports.MUON, "torch._inductor.compile_fx")}
+deepspeed_patches.imported()
+after = {name: name in sys.modules for name in ("mlflow", deepspeed_patches.MUON, "torch._inductor.compile_fx")}
+from deepspeed.runtime.zero.muon import original_muon
+after["muon_eager"] = all(type(f) is types.FunctionType and f.__module__ == original_muon.__name__
+                          for f in (original_muon.muon_update, original_muon.zeropower_via_newtonschulz5))
 import mlflow
 import peft
 import transformers.modeling_utils  # imports its losses, and scipy where it finds it
@@ -37,29 +37,10 @@ def test_deepspeed_without_mlflow_or_inductor_and_peft_without_bitsandbytes_or_s
         "mlflow": False,
         "deepspeed.runtime.zero.muon.muon_optimizer": True,  # imported, but uncompiled
         "torch._inductor.compile_fx": False,
+        "muon_eager": True,  # DeepSpeed's own functions, not torch.compile's wrappers of them
         "mlflow_usable": True,
         "bitsandbytes_found": False,
         "scipy_found": False,
         "bitsandbytes_imported": False,
         "scipy_imported": False,
     }
-
-
-def test_zero_init_keeps_the_dtype_it_is_given_without_fp16(monkeypatch):
-    imports.deepspeed()
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.partition_parameters import Init
-
-    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: False)  # as on AMD's CPUs
-    init = Init.__new__(Init)
-    for dtype in (torch.float32, torch.bfloat16):
-        Init._set_dtype(init, None, dtype)  # an explicit dtype: DeepSpeed 0.19.8 alone gives bf16 for fp32
-        assert init.dtype == dtype
-
-
-def test_init_distributed_leaves_out_the_shared_memory_all_reduce():
-    """A CPU rank's DeepSpeed backend builds no shared-memory op (nor its /dev/shm buffer); its all-reduce is gloo's."""
-    imports.deepspeed()
-    from deepspeed.comm.torch import build_shm_op
-
-    assert build_shm_op() is None

@@ -1,6 +1,7 @@
-"""The tiled MLP (pipeline/model/tiled_mlp.py) on a LoRA LLaMA: the loss and every gradient of the untiled model, and
-of DeepSpeed's TiledMLP on the same tiles (fp32, with our other kernels and without); always as many tiles as asked,
-even for fewer positions than tiles; and only the MLP's input kept for the backward pass."""
+"""The tiled MLP (pipeline/model/tiled_mlp.py, DeepSpeed's TiledMLP) on a LoRA LLaMA: the loss and every gradient of
+the untiled model (fp32, with our other kernels and without, LoRA on the MLP only too); the tile count one per hidden
+size positions, which torch.chunk always gives; each weight reported ready to ZeRO once; only the MLP's input kept
+for the backward pass."""
 
 from __future__ import annotations
 
@@ -55,34 +56,12 @@ def test_tiled_mlp_trains_as_the_whole_mlp(speed_paths, targets):
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_the_same_as_deepspeeds_tiled_mlp():
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    mlp = tiny_lora().get_base_model().model.layers[0].mlp
-    x = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(2), requires_grad=True)
-    grad = torch.randn(1, 64, HIDDEN, generator=torch.Generator().manual_seed(3))
-    params = [p for p in mlp.parameters() if p.requires_grad]
-    results = []
-    for run in (lambda: TiledMLP.apply(lambda m, h: m.forward(h), mlp, x, 4, params),
-                lambda: tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, params, None)):  # fmt: skip
-        mlp.zero_grad()
-        x.grad = None
-        out = run()
-        out.backward(grad)
-        results.append((out.detach(), x.grad.clone(), [p.grad.clone() for p in params]))
-    (out_ds, x_ds, p_ds), (out, x_grad, p_grads) = results
-    torch.testing.assert_close(out, out_ds, atol=0, rtol=0)
-    torch.testing.assert_close(x_grad, x_ds, atol=1e-7, rtol=1e-6)
-    for ours, theirs in zip(p_grads, p_ds, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=1e-7, rtol=1e-6)
-
-
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_zero_reduces_each_weight_once(checkpointing):
     """DeepSpeed's ZeRO-1/2 reduce a weight's gradient when its accumulation hook fires with `ds_grad_is_ready`
     (unset: ready), and refuse a second ("Gradient computed twice for this partition"): in one backward, every
     trained weight of a tiled MLP is reported ready exactly once, after its last tile (with checkpointing too, as the
-    long_context benchmark trains). The weights as inputs of the tiled function fired once more, ready."""
+    long_context benchmark trains). DeepSpeed's class takes them as a list: as inputs they would fire once more."""
     model = tiny_lora(("gate_proj", "down_proj"))  # the first layer's MLP input then needs no gradient
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -97,22 +76,30 @@ def test_zero_reduces_each_weight_once(checkpointing):
     assert ready and all(count == 1 for count in ready.values()), ready
 
 
-def test_as_many_tiles_as_asked_even_for_few_positions():
-    mlp = tiny_lora().get_base_model().model.layers[0].mlp
+def test_one_tile_per_hidden_size_positions_which_torch_chunk_gives():
+    """DeepSpeed tiles with torch.chunk, which gives fewer tiles than asked for some counts (4 for 5 positions: 3),
+    and then never reports the weights ready to ZeRO; one tile per `hidden` positions it always gives."""
+    for hidden in range(1, 40):
+        for tokens in range(1, 600):
+            tiles = tiled_mlp.tiles_for(tokens, hidden)
+            assert len(torch.arange(tokens).chunk(tiles)) == tiles, (tokens, hidden)
+    model = tiny_lora(("gate_proj", "down_proj"))
+    tiled_mlp.install(model)
+    mlp = model.get_base_model().model.layers[0].mlp
     calls = []
-    mlp.gate_proj.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    x = torch.randn(1, 5, HIDDEN, requires_grad=True)
-    tiled_mlp._TiledMLP.apply(mlp.forward, x, 4, [], None).sum().backward()
-    assert calls == [2, 1, 1, 1] * 2  # forward, then the backward's recomputation; torch.chunk would give 3
-    assert tiled_mlp.tiles_for(70, HIDDEN) == 5 and tiled_mlp.tiles_for(3, HIDDEN) == 1
+    mlp.gate_proj.base_layer.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    step(model, tokens=70)
+    assert calls == [14] * 5 * 2  # forward, then the backward's recomputation
+    assert all(p.ds_grad_is_ready for p in mlp.parameters() if p.requires_grad)
 
 
 def kept_widths(forward, x: torch.Tensor) -> set[int]:
-    """The last dimension of every (1, positions, width) tensor autograd keeps for the backward pass of `forward(x)`."""
+    """The last dimension of every (1, positions, width) or (positions, width) tensor autograd keeps for the backward
+    pass of `forward(x)`."""
     widths = set()
 
     def keep(tensor):
-        if tensor.dim() == 3 and tensor.shape[1] == x.shape[1]:
+        if tensor.dim() >= 2 and tensor.shape[-2] == x.shape[1]:
             widths.add(tensor.shape[-1])
         return tensor
 
@@ -122,10 +109,12 @@ def kept_widths(forward, x: torch.Tensor) -> set[int]:
 
 
 def test_only_the_input_is_kept_for_the_backward_pass():
-    mlp = tiny_lora().get_base_model().model.layers[0].mlp
+    model = tiny_lora()
+    mlp = model.get_base_model().model.layers[0].mlp
     x = torch.randn(1, 96, HIDDEN, requires_grad=True)
     assert INTERMEDIATE in kept_widths(mlp.forward, x)
-    assert kept_widths(lambda h: tiled_mlp._TiledMLP.apply(mlp.forward, h, 6, [], None), x) == {HIDDEN}
+    tiled_mlp.install(model)
+    assert kept_widths(mlp.forward, x) == {HIDDEN}
 
 
 def test_long_evaluation_windows_score_the_same_in_tiles(monkeypatch):

@@ -1,9 +1,10 @@
-"""Started by tests/unit/kernels/test_zero3_flags.py as a process of its own (one rank over gloo, no launcher): a
+"""Started by tests/unit/core/test_deepspeed_patches.py as a process of its own (one rank over gloo, no launcher): a
 model whose head reads the embedding's weight (a parameter external to the head, which ZeRO-3 gathers for it only
 while the embedding's parameters are flagged as in a forward pass), every tensor partitioned, trained three steps
-with DeepSpeed's own flags and then with kernels/zero3_flags.py's. Writes each run's losses and trained tensors to
-OUT/{deepspeed,listed}.safetensors, and what each run saw to OUT/seen.json: DeepSpeed's walks over the modules, and
-whether every parameter dict was flagged inside each forward and none after it."""
+with stock DeepSpeed, then with `kernels.tune_engine` on a DeepSpeed the patches were not written for (all left off),
+then with every ZeRO-3 patch of pipeline/core/deepspeed_patches.py. Writes each run's losses and trained tensors to
+OUT/{deepspeed,other_version,patched}.safetensors, and what each run saw to OUT/seen.json: what was installed,
+DeepSpeed's walks over the modules, and whether every parameter dict was flagged inside each forward and none after."""
 
 import argparse
 import json
@@ -13,9 +14,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline.core import imports
+from pipeline import kernels
+from pipeline.core import deepspeed_patches
 from pipeline.core.environment import free_port
-from pipeline.kernels import zero3_flags
 from pipeline.training import ds_config, loop
 
 VOCAB, WIDTH = 32, 8
@@ -47,7 +48,7 @@ class Model(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
 
 
-def train(*, listed: bool) -> tuple[dict[str, torch.Tensor], dict]:
+def train(run: str) -> tuple[dict[str, torch.Tensor], dict]:
     from deepspeed.runtime import engine as deepspeed_engine
 
     torch.manual_seed(0)
@@ -59,9 +60,14 @@ def train(*, listed: bool) -> tuple[dict[str, torch.Tensor], dict]:
         weight_decay=0.0, adam_epsilon=1e-6, max_grad_norm=1.0,
     )  # fmt: skip
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every tensor partitioned, gathered
-    engine, *_ = imports.deepspeed().initialize(model=model, model_parameters=model.parameters(), config=config)
-    if listed:
-        assert zero3_flags.install(engine)
+    deepspeed = deepspeed_patches.imported()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if run == "other_version":  # patched on a DeepSpeed they were not written for: each left off
+        version, deepspeed.__version__ = deepspeed.__version__, "0.20.0"
+        seen["installed"] = [kernels.tune_engine(engine, enabled="auto") for _ in range(2)]
+        deepspeed.__version__ = version
+    elif run == "patched":
+        seen["installed"] = [kernels.tune_engine(engine, enabled="auto")]
     ensure = deepspeed_engine.ensure_zero_ordered_dict
 
     def counted(module):
@@ -87,10 +93,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     out = parser.parse_args().out
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    imports.deepspeed().init_distributed(dist_backend="gloo")
+    deepspeed_patches.imported().init_distributed(dist_backend="gloo")
     seen = {}
-    for name, listed in (("deepspeed", False), ("listed", True)):
-        tensors, seen[name] = train(listed=listed)
+    for name in ("deepspeed", "other_version", "patched"):  # the patches are process-wide: installed last
+        tensors, seen[name] = train(name)
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"{name}.safetensors")
     (out / "seen.json").write_text(json.dumps(seen))
 
