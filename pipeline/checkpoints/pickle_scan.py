@@ -5,6 +5,8 @@ does not bound (measured: docs/checkpoints.md):
   copies of one large tuple as keys took torch's loader 21 s for a 284 KB file, growing with the square of the file;
   tuples of tuples double with each level) are counted, element by element, against a budget linear in the file;
 - the nesting of its tuples (CPython's tuple hash recurses in C: 100,000 levels are a segfault);
+- what it calls: a REDUCE or NEWOBJ of anything but a global it named (torch's loader formats such a callee into
+  its refusal: the repr of a 6 MB storage took minutes, a hang the fuzzer found);
 - its persistent ids: each one of torch's storages as torch.save writes it, with the storage's key, type and size,
   which `safe_pickle` checks against the file (torch maps a zip record at the size the id declares, past the record,
   and allocates a legacy storage at that size, leaving one its key list omits unfilled).
@@ -64,10 +66,10 @@ class StorageId:
 
 
 class Node:
-    __slots__ = ("weight", "depth", "literal")
+    __slots__ = ("weight", "depth", "literal", "origin")
 
-    def __init__(self, weight: int = 1, depth: int = 0, literal: object = UNSET) -> None:
-        self.weight, self.depth, self.literal = weight, depth, literal
+    def __init__(self, origin: str, *, weight: int = 1, depth: int = 0, literal: object = UNSET) -> None:
+        self.weight, self.depth, self.literal, self.origin = weight, depth, literal, origin  # origin: the opcode
 
     def add(self, child: Node) -> None:
         """`child` put into this container (APPEND, SETITEM, BUILD...): no literal kept, unless a short list's."""
@@ -108,7 +110,7 @@ def scan(source: BinaryIO | bytes, *, budget: int) -> Scan:
                 continue
             if name in PUSHES:  # a number, a string, a constant or an empty container: no stack read
                 literal = arg if PUSHES[name] is ARGUMENT else PUSHES[name]
-                stack.append(Node(literal=list(literal) if type(literal) is list else literal))
+                stack.append(Node(name, literal=list(literal) if type(literal) is list else literal))
                 continue
             if name in ("GET", "BINGET", "LONG_BINGET"):
                 if int(arg) not in memo:
@@ -116,6 +118,9 @@ def scan(source: BinaryIO | bytes, *, budget: int) -> Scan:
                 stack.append(memo[int(arg)])
                 continue
             consumed = _pop(stack, marks, op.stack_before)
+            if name in ("REDUCE", "NEWOBJ", "NEWOBJ_EX") and type(consumed[0].literal) is not Global:
+                made_by = consumed[0].origin  # torch's loader would print the value in its refusal
+                raise Refused(f"{name} of a value made by opcode {made_by}, not a global the pickle named")
             if name in HASHING:
                 keys = consumed[1::2] if name in ("SETITEM", "SETITEMS", "DICT") else consumed
                 work += sum(node.weight for node in keys)
@@ -166,13 +171,14 @@ def _results(op: pickletools.OpcodeInfo, arg: object, consumed: list, storages: 
         return consumed * 2
     if name == "BINPERSID":
         storages.append(_storage_id(consumed[0]))
-        return [Node()]
+        return [Node(name)]
     if name == "PERSID":
         raise Refused(f"a protocol-0 persistent id ({str(arg)[:40]!r}); torch writes storages as tuples")
     if name == "GLOBAL":
         module, _, attribute = str(arg).partition(" ")
-        return [Node(literal=Global(module, attribute))]
+        return [Node(name, literal=Global(module, attribute))]
     made = Node(
+        name,
         weight=min(CAP, 1 + sum(node.weight for node in consumed)),
         depth=1 + max((node.depth for node in consumed), default=-1),
     )

@@ -179,6 +179,7 @@ def payloads(marker: Path) -> dict[str, tuple[bytes, str]]:
         "numpy array of object dtype": (object_array(), "numpy dtype 'O8'"),
         "numpy void dtype claiming object items": (forged_void_array(), "numpy dtype 'V8'"),
         "a persistent id naming a storage outside the file": (outside + OP["BINPERSID"], "which is not in the file"),
+        "REDUCE of a list": (OP["EMPTY_LIST"] + OP["EMPTY_TUPLE"] + OP["REDUCE"], "not a global the pickle named"),
         "30,000 copies of one large tuple as dict keys": (repeated_key(30_000, 30_000), "element visits"),
         "tuples of tuples doubling 40 times as a dict key": (dict_of(doubled(40)), "element visits"),
         "100,000 nested tuples as a dict key": (dict_of(OP["EMPTY_TUPLE"] + OP["TUPLE1"] * 100_000), "nested deeper"),

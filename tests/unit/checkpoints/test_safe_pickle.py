@@ -374,3 +374,14 @@ def test_tensor_attributes_load_only_as_plain_values_under_names_none_of_torchs(
         torch.save({"t": shadowing}, tmp_path / "bad.pt")
         with pytest.raises(ValueError, match=problem):
             safe_pickle.load(tmp_path / "bad.pt")
+
+
+def test_a_call_of_a_storage_is_refused_before_torch_prints_it(tmp_path):
+    """torch's loader refuses a REDUCE of a value it was not given as a global by printing that value: the repr of
+    a storage is element by element (a 6 MB one hung the fuzzer, seed 7 case 1296)."""
+    torch.save({"t": torch.zeros(1 << 20)}, tmp_path / "big.pt")
+    storage = crafted.tuple_(text("storage"), crafted.global_("torch", "FloatStorage"), text("0"), text("cpu"))
+    pid = storage[:-1] + OP["BININT"] + (1 << 20).to_bytes(4, "little") + OP["TUPLE"] + OP["BINPERSID"]
+    crafted.carry(tmp_path / "big.pt", "x", pid + OP["EMPTY_TUPLE"] + OP["REDUCE"], tmp_path / "case.pt")
+    with pytest.raises(safe_pickle.UnsafePickle, match="REDUCE of a value made by opcode BINPERSID"):
+        safe_pickle.load(tmp_path / "case.pt")
