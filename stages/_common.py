@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.core import config, imports, stage_server
+from pipeline.core import config, imports
 from pipeline.core.errors import guarded
 from pipeline.core.quiet import quiet_third_parties
 from pipeline.tracking import execution, relay
@@ -38,9 +38,7 @@ def run(
     With `prefix`, the stage logs into the pipeline's MLflow run, once `main` has returned (the store's relay starting
     meanwhile): the flat config, runtime tags, `stage.NAME=ran`, its duration, and the figures `main` returns under
     `prefix.` (the run is marked FAILED if `main` raises).
-    `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`). A stage
-    forked by a stage server, whose imports hid them, starts itself fresh where the run needs them, before doing
-    anything."""
+    `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`)."""
     quiet_third_parties()
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     if prefix is not None:
@@ -51,8 +49,6 @@ def run(
         cfg = config.load(args.params)
         if hides_unused is not None and hides_unused(cfg):
             imports.without_unused()
-        elif imports.unused_hidden():
-            stage_server.start_fresh()
         if prefix is None:
             main(args, cfg)
             return

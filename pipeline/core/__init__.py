@@ -10,8 +10,4 @@
   at its first use (`imports.torch`) by the modules the train stage plans with.
 - `environment`: child processes' PATH and op folder, stale build locks, a free port.
 - `quiet`: third-party warnings and progress bars silenced.
-- `forking`: servers of interpreters that have done their imports, forking a process per request (the rank and stage
-  servers of the test suite).
-- `stage_server`: where a folder is named for it (the test suite), the model stages forked from a server that has
-  imported torch, transformers and PEFT.
 """

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.core import stage_server
 from pipeline.tracking.mlflow_run import Tracker
 from pipeline.tracking.relay import open_relayed
 from pipeline.tracking.runs_view import run_name
@@ -17,14 +16,12 @@ PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipeline
 
 def execution_id() -> str:
     """The pipeline execution this process belongs to: $PIPELINE_EXECUTION, else the nearest `dvc` ancestor process
-    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time. A stage
-    forked by a stage server has the ancestors of the process DVC started for it."""
+    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time."""
     if os.environ.get(EXECUTION_ENV):
         return os.environ[EXECUTION_ENV]
     import psutil
 
-    requester = os.environ.get(stage_server.REQUESTER)
-    parent = node = psutil.Process(int(requester) if requester else None).parent()
+    parent = node = psutil.Process().parent()
     while node is not None:
         try:
             argv = node.cmdline()

@@ -71,56 +71,6 @@ def test_two_ranks_equal_one_rank_zero2(two_ranks_zero2, reference):
     assert len(list((two_ranks_zero2 / "checkpoints").glob("step_*"))) == 2, "keep_last=2"
 
 
-def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
-    tmp_path, tmp_path_factory, inputs, tiny_base_dir, monkeypatch
-):
-    """The suite's launches fork their ranks from rank servers (tests/conftest.py) that did a rank's imports: here
-    with servers of its own, the first launch of a key starts fresh ranks and marks it, the second starts fresh ranks
-    and the key's server, the third (from another copy of the project, as DVC's queued experiments run) forks both
-    ranks from it and trains bit for bit as the first; a rank that dies of a signal gives its exit code to the stage
-    as a fresh one does."""
-    from pipeline.launching import rank_server
-
-    folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes (an xdist worker's is longer)
-    monkeypatch.setenv(rank_server.FOLDER, str(folder))
-    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2"]
-    try:
-        for run in ("first", "second"):
-            train(inputs, tiny_base_dir, tmp_path / run, overrides)
-            assert not list(folder.glob("*.log")) or run == "second"
-        deadline = time.monotonic() + 120
-        while not list(folder.glob("*.sock")):
-            assert time.monotonic() < deadline, [p.read_text() for p in folder.glob("*.log")]
-            time.sleep(0.5)
-        project = tmp_path / "project"
-        for part in ("pipeline", "stages"):
-            shutil.copytree(REPO / part, project / part, ignore=shutil.ignore_patterns("__pycache__"))
-        train(inputs, tiny_base_dir, tmp_path / "forked", overrides, cwd=project)
-        (log,) = folder.glob("*.log")
-        assert log.read_text().count(" forked, --plan ") == 2, log.read_text()
-        assert losses(tmp_path / "forked") == losses(tmp_path / "first")
-        fresh, forked = (
-            load_file(tmp_path / "first" / "final.safetensors"),
-            load_file(tmp_path / "forked" / "final.safetensors"),
-        )
-        assert fresh.keys() == forked.keys() and all(torch.equal(fresh[k], forked[k]) for k in fresh)
-        stage = subprocess.Popen(
-            train_command(inputs, tiny_base_dir, tmp_path / "killed", overrides), cwd=REPO, env=env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while log.read_text().count(" forked, --plan ") < 4 or not (tmp_path / "killed/checkpoints/latest").exists():
-            assert time.monotonic() < deadline and stage.poll() is None, log.read_text()
-            time.sleep(0.1)
-        rank_1 = [line for line in log.read_text().splitlines() if line.endswith("--local_rank=1")][-1]
-        os.kill(int(rank_1.split(": ")[1].split()[0]), signal.SIGKILL)  # "server PID: RANK_PID forked, ARGS"
-        output, _ = stage.communicate(timeout=120)
-        assert stage.returncode != 0 and "the DeepSpeed ranks failed (exit -9)" in output, output[-3000:]
-    finally:
-        for pid in folder.glob("*.pid"):
-            os.kill(int(pid.read_text()), signal.SIGTERM)
-
-
 def test_two_ranks_equal_one_rank_zero3(tmp_path, inputs, tiny_base_dir, reference):
     train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3"])
     assert_same_training(tmp_path, reference, atol=1e-5)
