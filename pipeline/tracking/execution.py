@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.tracking.mlflow_run import Tracker
-from pipeline.tracking.relay import open_relayed
+from pipeline.tracking.mlflow_run import Tracker, open_run
 from pipeline.tracking.runs_view import run_name
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
@@ -47,9 +46,8 @@ def hand_down() -> str:
 
 def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
     """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
-    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace. The
-    calls go through the store's relay (`relay`), without MLflow imported here, where the store is a SQLite file."""
-    return open_relayed(
+    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace."""
+    return open_run(
         uri=uri,
         experiment=experiment,
         run_id_file=run_id_file,

@@ -105,7 +105,7 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             uri=plan.tracking.uri,
             experiment=plan.tracking.experiment,
             run_id_file=plan.paths.run_id_file,
-        )  # through the store's relay: MLflow not imported in the rank
+        )
     curves = None
     if rank == 0 and plan.tracking.tensorboard and plan.paths.tensorboard is not None:
         from pipeline.tracking.tensorboard import CurveWriter, run_dir
