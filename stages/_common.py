@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.core import config, imports, stage_server
+from pipeline.core import config, imports
 from pipeline.core.errors import guarded
 from pipeline.core.quiet import quiet_third_parties
-from pipeline.tracking import execution, relay
+from pipeline.tracking import execution
 from pipeline.tracking.mlflow_run import Tracker, flatten, numeric_leaves, runtime_tags
 
 Main = Callable[[argparse.Namespace, config.Config], "dict | None"]
@@ -35,12 +35,10 @@ def run(
 ) -> None:
     """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2.
 
-    With `prefix`, the stage logs into the pipeline's MLflow run, once `main` has returned (the store's relay starting
-    meanwhile): the flat config, runtime tags, `stage.NAME=ran`, its duration, and the figures `main` returns under
-    `prefix.` (the run is marked FAILED if `main` raises).
-    `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`). A stage
-    forked by a stage server, whose imports hid them, starts itself fresh where the run needs them, before doing
-    anything."""
+    With `prefix`, the stage logs into the pipeline's MLflow run, once `main` has returned: the flat config, runtime
+    tags, `stage.NAME=ran`, its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if
+    `main` raises).
+    `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`)."""
     quiet_third_parties()
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
     if prefix is not None:
@@ -51,13 +49,10 @@ def run(
         cfg = config.load(args.params)
         if hides_unused is not None and hides_unused(cfg):
             imports.without_unused()
-        elif imports.unused_hidden():
-            stage_server.start_fresh()
         if prefix is None:
             main(args, cfg)
             return
         execution.hand_down()  # before the stage's own processes start (the ranks log to the same run)
-        relay.warm(cfg.tracking.uri, execution.workspace())  # the store's relay starts beside the stage's work
         start = time.perf_counter()
         try:
             figures = main(args, cfg) or {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -216,40 +215,13 @@ def two_ranks_zero2(tmp_path_factory, inputs, tiny_base_dir) -> Path:
 def same_environment():
     """Each test's processes start from the environment the session's fixtures set, not from what an earlier test's
     imports wrote into this worker's `os.environ` (lm_eval HF_XET_HIGH_PERFORMANCE, scikit-learn and inductor
-    KMP_DUPLICATE_LIB_OK, launching/ops.py TORCH_EXTENSIONS_DIR): a server's key holds the environment, so every such
-    drift started new servers and forked fewer stages and ranks. Fixtures of a wider scope are set up before this."""
+    KMP_DUPLICATE_LIB_OK, launching/ops.py TORCH_EXTENSIONS_DIR), so that a test's outcome does not depend on which
+    tests its worker ran before. Fixtures of a wider scope are set up before this."""
     before = dict(os.environ)
     yield
     for name in set(os.environ) - set(before):
         del os.environ[name]
     os.environ.update((name, value) for name, value in before.items() if os.environ.get(name) != value)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def servers(tmp_path_factory):
-    """The session's launches fork their ranks from servers that have done a rank's imports (about 5 s of CPU a rank,
-    `pipeline/launching/rank_server.py`), and the model stages from servers that have done a stage's (about 4 s,
-    `pipeline/core/stage_server.py`); ended with the session. `TRAIN_RANK_SERVERS=off` (`PIPELINE_STAGE_SERVERS=off`):
-    every rank (stage) fresh."""
-    import signal
-
-    from pipeline.core import stage_server
-    from pipeline.launching import rank_server
-
-    folders = []
-    for variable in (rank_server.FOLDER, stage_server.FOLDER):
-        if os.environ.pop(variable, None) == "off":
-            continue
-        folder = tmp_path_factory.mktemp(variable.lower().replace("_", "")[:12])  # a socket's path: 107 bytes
-        (folder / "owner").write_text(str(os.getpid()))
-        os.environ[variable] = str(folder)
-        folders.append((variable, folder))
-    yield dict(folders)
-    for variable, folder in folders:
-        del os.environ[variable]
-        for pid_file in folder.glob("*.pid"):
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,9 +28,6 @@ NOT_DEPENDENCIES = {
     "pipeline/core/config.py": "checking params.yaml (the values themselves are the stages' `params`)",
     "pipeline/core/environment.py": "PATH and a free port for child processes",
     "pipeline/core/quiet.py": "silencing third-party warnings and progress bars",
-    "stages/__init__.py": "which stages a stage server may run (the test suite)",
-    "pipeline/core/forking.py": "processes forked from servers that did their imports (the test suite's)",
-    "pipeline/core/stage_server.py": "a stage run in a process forked from a server of its imports (the test suite)",
 }
 
 

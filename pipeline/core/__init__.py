@@ -12,8 +12,4 @@
   with a warning on another: DeepSpeed's import (`imported`) and the engine paths `kernels.tune_engine` installs.
 - `environment`: child processes' PATH and op folder, stale build locks, a free port.
 - `quiet`: third-party warnings and progress bars silenced.
-- `forking`: servers of interpreters that have done their imports, forking a process per request (the rank and stage
-  servers of the test suite).
-- `stage_server`: where a folder is named for it (the test suite), the model stages forked from a server that has
-  imported torch, transformers and PEFT.
 """

@@ -51,9 +51,3 @@ def tokenizers_only() -> bool:
         return False
     sys.modules["torch"] = None
     return True
-
-
-def unused_hidden() -> bool:
-    """Whether this process's imports were made with bitsandbytes and scipy absent (`without_unused`): they cannot be
-    imported here any more (a process forked by a stage server, core/stage_server.py)."""
-    return any(name in sys.modules and sys.modules[name] is None for name in UNUSED)

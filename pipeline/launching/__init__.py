@@ -9,8 +9,6 @@ only; `training` runs on top of it):
   the checkpoint folder (`python -m pipeline.launching.preflight` on each node).
 - `ranks`: this node's ranks started early, released once the plan is written (the deepspeed launcher on several
   nodes), ended together.
-- `rank_server`: where a folder is named for it (the test suite), ranks forked from an interpreter that has done a
-  rank's imports for launches of the same environment, instead of started fresh.
 - `ops`: the ops the ranks use built once per environment (`make setup`); stale op-build locks and shared memory
   cleared before and after a launch.
 - `slurm_node`, `manual_node`: one node's launcher under Slurm (srun starts it), or started by hand or by a

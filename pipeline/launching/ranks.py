@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 from pipeline.core.environment import free_port, with_venv_path
-from pipeline.launching import rank_server
 from pipeline.launching.cluster import Cluster
 from pipeline.launching.ops import before_launch, remove_stale_shm_buffers
 
@@ -30,20 +29,14 @@ class Ranks:
     runner and its `launch` module, two more interpreters importing DeepSpeed one after the other, and their polling
     (figures: docs/training.md)."""
 
-    def __init__(
-        self, command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int,
-        forkable: bool = False,
-    ):  # fmt: skip
+    def __init__(self, command: list[str], *, ranks: int, env: dict[str, str], master_addr: str, master_port: int):
         common = {**env, "WORLD_SIZE": str(ranks), "LOCAL_SIZE": str(ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1",
                   "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}  # fmt: skip
         self.children, self.pipes = [], []
         for rank in range(ranks):
             read, write = os.pipe()
             argv, rank_env = [*command, f"--local_rank={rank}"], {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            forked = rank_server.fork(argv, env=rank_env, release=(RELEASE_FD, read)) if forkable else None
-            self.children.append(
-                forked or subprocess.Popen(argv, env={**rank_env, RELEASE_FD: str(read)}, pass_fds=(read,))
-            )
+            self.children.append(subprocess.Popen(argv, env={**rank_env, RELEASE_FD: str(read)}, pass_fds=(read,)))
             os.close(read)
             self.pipes.append(write)
 
@@ -152,7 +145,7 @@ def start_ranks(*, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str]
     before_launch()
     command = [sys.executable, "-m", RANK_MODULE, "--plan", str(plan)]
     port = cluster.master_port or free_port()
-    return Ranks(command, ranks=ranks, env=env, master_addr=cluster.master_addr, master_port=port, forkable=True)
+    return Ranks(command, ranks=ranks, env=env, master_addr=cluster.master_addr, master_port=port)
 
 
 def run_ranks(started: Ranks | None, *, cluster: Cluster, ranks: int, plan: Path, env: dict[str, str]) -> int:

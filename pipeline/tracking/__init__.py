@@ -2,7 +2,6 @@
 
 - `mlflow_run`: an MLflow run opened or joined, logged to, completed; unreachable servers tolerated.
 - `execution`: which pipeline execution a process belongs to, and that execution's one run (every stage and rank 0).
-- `relay`: one background process per SQLite store making the stages' and rank 0's MLflow calls (no import in them).
 - `runs_view`: what the MLflow UI shows first: model development, runs named after their experiment, a headline view.
 - `tensorboard`: the training curve as TensorBoard events.
 - `plots`: DVC plot definitions of the curves and evaluation figures.

@@ -6,9 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pipeline.core import stage_server
-from pipeline.tracking.mlflow_run import Tracker
-from pipeline.tracking.relay import open_relayed
+from pipeline.tracking.mlflow_run import Tracker, open_run
 from pipeline.tracking.runs_view import run_name
 
 EXECUTION_ENV = "PIPELINE_EXECUTION"  # set by a stage for its child processes (the DeepSpeed ranks)
@@ -17,14 +15,12 @@ PARENT_RUN_ENV = "PIPELINE_MLFLOW_PARENT_RUN_ID"  # set by a sweep: its pipeline
 
 def execution_id() -> str:
     """The pipeline execution this process belongs to: $PIPELINE_EXECUTION, else the nearest `dvc` ancestor process
-    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time. A stage
-    forked by a stage server has the ancestors of the process DVC started for it."""
+    (one `dvc repro`, `dvc exp run` or queued experiment), else the parent process; as pid and start time."""
     if os.environ.get(EXECUTION_ENV):
         return os.environ[EXECUTION_ENV]
     import psutil
 
-    requester = os.environ.get(stage_server.REQUESTER)
-    parent = node = psutil.Process(int(requester) if requester else None).parent()
+    parent = node = psutil.Process().parent()
     while node is not None:
         try:
             argv = node.cmdline()
@@ -50,9 +46,8 @@ def hand_down() -> str:
 
 def pipeline_run(*, uri: str, experiment: str, run_id_file: Path) -> Tracker:
     """Open (or join) the MLflow run of this pipeline execution, a new one named after its DVC experiment or sweep
-    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace. The
-    calls go through the store's relay (`relay`), without MLflow imported here, where the store is a SQLite file."""
-    return open_relayed(
+    point; child processes started afterwards join it too. A relative SQLite store lives in the main workspace."""
+    return open_run(
         uri=uri,
         experiment=experiment,
         run_id_file=run_id_file,

@@ -105,7 +105,7 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             uri=plan.tracking.uri,
             experiment=plan.tracking.experiment,
             run_id_file=plan.paths.run_id_file,
-        )  # through the store's relay: MLflow not imported in the rank
+        )
     curves = None
     if rank == 0 and plan.tracking.tensorboard and plan.paths.tensorboard is not None:
         from pipeline.tracking.tensorboard import CurveWriter, run_dir
@@ -300,7 +300,6 @@ def main() -> None:
     from pipeline.core import deepspeed_patches, imports
     from pipeline.core.errors import guarded
     from pipeline.core.quiet import quiet_third_parties
-    from pipeline.launching import rank_server
     from pipeline.launching.ranks import KEEP_BITSANDBYTES, released
     from pipeline.launching.rendezvous import join
 
@@ -311,8 +310,6 @@ def main() -> None:
     import peft  # noqa: F401  (imported before the load is measured)
     import transformers  # noqa: F401
 
-    if os.environ.get(rank_server.SERVE):  # a server of ranks: goes on in each rank it forks
-        rank_server.serve(os.environ[rank_server.SERVE])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--plan", type=Path, required=True, help="the run's plan.json (written by the train stage)")

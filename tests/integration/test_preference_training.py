@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipeline.core.atomic import read_json
-from tests.conftest import REPO
 from tests.helpers.training import (
     ONE_RANK,
     TINY,
     TWO_RANKS,
     assert_same_training,
     cache_rows,
-    env,
     killed_after_a_checkpoint,
     losses,
     train,
@@ -135,11 +131,12 @@ def test_a_killed_dpo_run_resumes_as_if_uninterrupted(tmp_path, pref_inputs, tin
 
 @pytest.fixture(scope="module")
 def start_adapter(dpo_one_rank, tmp_path_factory) -> Path:
-    """An adapter to start from: the DPO run's, consolidated (any trained adapter of this base and LoRA does)."""
+    """An adapter to start from: the DPO run's, consolidated in this process (any trained adapter of this base and
+    LoRA does; `python -m pipeline consolidate` itself: integration/test_consolidate.py)."""
+    from pipeline.checkpoints.consolidate import consolidate
+
     out = tmp_path_factory.mktemp("start") / "adapter"
-    command = [sys.executable, "-m", "pipeline", "consolidate", str(dpo_one_rank / "checkpoints"), str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    consolidate(checkpoint_dir=dpo_one_rank / "checkpoints", output_dir=out)
     return out
 
 

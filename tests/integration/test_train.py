@@ -71,67 +71,32 @@ def test_two_ranks_equal_one_rank_zero2(two_ranks_zero2, reference):
     assert len(list((two_ranks_zero2 / "checkpoints").glob("step_*"))) == 2, "keep_last=2"
 
 
-def test_ranks_forked_from_a_rank_server_train_as_fresh_ones(
-    tmp_path, tmp_path_factory, inputs, tiny_base_dir, monkeypatch
-):
-    """The suite's launches fork their ranks from rank servers (tests/conftest.py) that did a rank's imports: here
-    with servers of its own, the first launch of a key starts fresh ranks and marks it, the second starts fresh ranks
-    and the key's server, the third (from another copy of the project, as DVC's queued experiments run) forks both
-    ranks from it and trains bit for bit as the first; a rank that dies of a signal gives its exit code to the stage
-    as a fresh one does."""
-    from pipeline.launching import rank_server
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, inputs, tiny_base_dir):
+    """2 ranks with activation checkpointing (`train.gradient_checkpointing=true`, which trains as the run without
+    it: `test_activation_checkpointing_trains_as_without_it`), trained once for each ZeRO stage and kernel switch
+    asked for, and shared by the tests that prove things of such a run: `checkpointed(zero, kernels)` is its
+    folder."""
+    runs: dict[tuple[str, str], Path] = {}
 
-    folder = tmp_path_factory.mktemp("servers")  # short: a socket's path holds 107 bytes (an xdist worker's is longer)
-    monkeypatch.setenv(rank_server.FOLDER, str(folder))
-    overrides = [*TINY, *TWO_RANKS, "deepspeed=zero2"]
-    try:
-        for run in ("first", "second"):
-            train(inputs, tiny_base_dir, tmp_path / run, overrides)
-            assert not list(folder.glob("*.log")) or run == "second"
-        deadline = time.monotonic() + 120
-        while not list(folder.glob("*.sock")):
-            assert time.monotonic() < deadline, [p.read_text() for p in folder.glob("*.log")]
-            time.sleep(0.5)
-        project = tmp_path / "project"
-        for part in ("pipeline", "stages"):
-            shutil.copytree(REPO / part, project / part, ignore=shutil.ignore_patterns("__pycache__"))
-        train(inputs, tiny_base_dir, tmp_path / "forked", overrides, cwd=project)
-        (log,) = folder.glob("*.log")
-        assert log.read_text().count(" forked, --plan ") == 2, log.read_text()
-        assert losses(tmp_path / "forked") == losses(tmp_path / "first")
-        fresh, forked = (
-            load_file(tmp_path / "first" / "final.safetensors"),
-            load_file(tmp_path / "forked" / "final.safetensors"),
-        )
-        assert fresh.keys() == forked.keys() and all(torch.equal(fresh[k], forked[k]) for k in fresh)
-        stage = subprocess.Popen(
-            train_command(inputs, tiny_base_dir, tmp_path / "killed", overrides), cwd=REPO, env=env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while log.read_text().count(" forked, --plan ") < 4 or not (tmp_path / "killed/checkpoints/latest").exists():
-            assert time.monotonic() < deadline and stage.poll() is None, log.read_text()
-            time.sleep(0.1)
-        rank_1 = [line for line in log.read_text().splitlines() if line.endswith("--local_rank=1")][-1]
-        os.kill(int(rank_1.split(": ")[1].split()[0]), signal.SIGKILL)  # "server PID: RANK_PID forked, ARGS"
-        output, _ = stage.communicate(timeout=120)
-        assert stage.returncode != 0 and "the DeepSpeed ranks failed (exit -9)" in output, output[-3000:]
-    finally:
-        for pid in folder.glob("*.pid"):
-            os.kill(int(pid.read_text()), signal.SIGTERM)
+    def run(zero: str, kernels: str) -> Path:
+        if (zero, kernels) not in runs:
+            out = tmp_path_factory.mktemp(f"checkpointed_{zero}_{kernels}")
+            overrides = [*TINY, *TWO_RANKS, f"deepspeed={zero}", f"train.kernels={kernels}"]
+            train(inputs, tiny_base_dir, out, [*overrides, "train.gradient_checkpointing=true"])
+            runs[zero, kernels] = out
+        return runs[zero, kernels]
+
+    return run
 
 
-def test_two_ranks_equal_one_rank_zero3(tmp_path, inputs, tiny_base_dir, reference):
-    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero3"])
-    assert_same_training(tmp_path, reference, atol=1e-5)
-
-
-def test_kernels_off_trains_as_auto_with_stock_layers(tmp_path, inputs, tiny_base_dir, two_ranks_zero2):
+def test_kernels_off_trains_as_auto_with_stock_layers(checkpointed, two_ranks_zero2):
     """`train.kernels=off` runs stock transformers + PEFT + DeepSpeed (no speed path installed, none imported) and
-    trains what `auto` trains on 2 CPU ranks, within fp32 rounding; `auto` says what it installed."""
-    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "deepspeed=zero2", "train.kernels=off"])
-    assert_same_training(tmp_path, two_ranks_zero2, atol=1e-5)
-    off, auto = read_json(tmp_path / "metrics.json"), read_json(two_ranks_zero2 / "metrics.json")
+    trains what `auto` trains on 2 CPU ranks (ZeRO-2), within fp32 rounding; `auto` says what it installed. The `off`
+    side is the activation-checkpointing run's (`checkpointed`)."""
+    off_run = checkpointed("zero2", "off")
+    assert_same_training(off_run, two_ranks_zero2, atol=1e-5)
+    off, auto = read_json(off_run / "metrics.json"), read_json(two_ranks_zero2 / "metrics.json")
     assert off["kernels"] == {}
     paths = {
         "lean_layers",
@@ -268,6 +233,44 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path, inpu
     assert JOIN_TIMEOUT_S <= elapsed < JOIN_WALL_BOUND_S, elapsed
 
 
+class NoRanks:
+    """What `ranks.start_ranks` gives a train stage called in-process: the ranks it would start ahead of its checks
+    are not started (what started ones do when cancelled or released: unit/launching/test_ranks.py); it records
+    what the stage did with them. Released, they fail the launch."""
+
+    def __init__(self) -> None:
+        self.released = self.cancelled = False
+
+    def release(self, message: dict) -> None:
+        self.released = True
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def wait(self) -> int:
+        return 1
+
+
+def in_process(out: Path, inputs: Path, base: Path, overrides: list[str], monkeypatch, final_state=True) -> list:
+    """The train stage's `main` in this process, as its entry point calls it, its ranks left unstarted (`NoRanks`):
+    the stage's checks, plan and reports without a launch. Returns the NoRanks it got; the
+    stage's exceptions propagate. bitsandbytes and scipy stay importable in this worker (`imports.without_unused`)."""
+    from pipeline.core import imports
+    from pipeline.launching import ranks
+    from stages import train as train_stage
+
+    started: list[NoRanks] = []
+    monkeypatch.setattr(ranks, "start_ranks", lambda **kwargs: started.append(NoRanks()) or started[-1])
+    monkeypatch.setattr(imports, "without_unused", lambda: None)
+    command = train_command(inputs, base, out, overrides)
+    flags = {a.removeprefix("--").replace("-", "_"): v for a, v in zip(command[3::2], command[4::2], strict=True)}
+    if not final_state:
+        del flags["final_state"]
+    args = argparse.Namespace(**{k: v if k == "params" else Path(v) for k, v in flags.items()})
+    train_stage.main(args, config.load(args.params))
+    return started
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -280,20 +283,14 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path, inpu
     ],
 )  # fmt: skip
 def test_bad_input_stops_before_any_step(tmp_path, inputs, tiny_base_dir, overrides, message, monkeypatch):
-    """In-process (the checks run before the launcher); the CLI path is covered by the next two tests. The ranks
-    started ahead get the environment a stage's process gives them, so that they fork from the session's rank server."""
-    from pipeline.core import quiet
-    from stages import train as train_stage
-
-    for variable, value in quiet.ENVIRONMENT.items():
-        monkeypatch.setenv(variable, value)
-    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, *overrides])
-    flags = {a.removeprefix("--").replace("-", "_"): v for a, v in zip(command[3::2], command[4::2], strict=True)}
-    args = argparse.Namespace(**{k: v if k == "params" else Path(v) for k, v in flags.items()})
+    """In-process (the checks run before the launcher, the ranks started ahead are never released); the CLI path is
+    covered by the next two tests."""
+    started: list[NoRanks] = []
     with pytest.raises(ValueError) as err:
-        train_stage.main(args, config.load(args.params))
+        started = in_process(tmp_path, inputs, tiny_base_dir, [*TINY, *TWO_RANKS, *overrides], monkeypatch)
     assert message in str(err.value)
     assert not (tmp_path / "checkpoints").exists()
+    assert not any(ranks.released for ranks in started)
 
 
 def test_a_precision_the_cpu_cannot_train_in_is_refused(tmp_path, inputs, tiny_base_dir, monkeypatch):
@@ -321,27 +318,31 @@ def test_batch_arithmetic_error_exits_2_without_traceback(tmp_path, inputs, tiny
         ("lora.lr_ratio=16", "was trained with lr_ratio None, this run has 16.0; its optimizer groups"),
     ],
 )
-def test_resume_from_another_model_is_refused(tmp_path, inputs, tiny_base_dir, reference, override, message):
+def test_resume_from_another_model_is_refused(
+    tmp_path, inputs, tiny_base_dir, reference, override, message, monkeypatch
+):
+    """In-process, as the bad input above (the same refusal through the CLI, exit 2:
+    integration/test_layouts.py)."""
     overrides = [*TINY, *ONE_RANK, "deepspeed=zero2", override, f"train.resume_from={reference / 'checkpoints'}"]
     before = sorted(p.name for p in (reference / "checkpoints").iterdir())
-    done = train(inputs, tiny_base_dir, tmp_path, overrides, check=False)
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
+    started: list[NoRanks] = []
+    with pytest.raises(ValueError) as err:
+        started = in_process(tmp_path, inputs, tiny_base_dir, overrides, monkeypatch)
+    assert message in str(err.value)
+    assert not any(ranks.released for ranks in started)
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == before
 
 
 def test_a_finished_run_rerun_reports_the_figures_of_the_run_that_trained_it(
-    tmp_path, inputs, tiny_base_dir, two_ranks_zero2
+    tmp_path, inputs, tiny_base_dir, two_ranks_zero2, monkeypatch, capfd
 ):
-    """`dvc repro` re-runs train after a launcher change: no rank starts, and metrics.json keeps the training run's
-    measurements (not an idle process's), marked with the checkpoint they come from."""
+    """`dvc repro` re-runs train after a launcher change: no rank is released, and metrics.json keeps the training
+    run's measurements (not an idle process's), marked with the checkpoint they come from."""
     shutil.copytree(two_ranks_zero2 / "checkpoints", tmp_path / "checkpoints")
-    command = train_command(inputs, tiny_base_dir, tmp_path, [*TINY, *ONE_RANK, "deepspeed=zero2"])
-    at = command.index("--final-state")
-    done = subprocess.run(command[:at] + command[at + 2 :], cwd=REPO, env=env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "is this run's final checkpoint; its figures are reported" in done.stdout
-    assert "launch.py" not in done.stdout + done.stderr, "no rank was started"
+    overrides = [*TINY, *ONE_RANK, "deepspeed=zero2"]
+    (started,) = in_process(tmp_path, inputs, tiny_base_dir, overrides, monkeypatch, final_state=False)
+    assert "is this run's final checkpoint; its figures are reported" in capfd.readouterr().out
+    assert started.cancelled and not started.released, "no rank was released"
     trained, reported = read_json(two_ranks_zero2 / "metrics.json"), read_json(tmp_path / "metrics.json")
     assert reported == {**trained, "reused_checkpoint": "step_000006"}
     assert (tmp_path / "curve.csv").read_text() == (two_ranks_zero2 / "curve.csv").read_text()
@@ -395,25 +396,20 @@ def test_zero3_ranks_never_hold_the_whole_model(tmp_path, wide_model):
 
 @pytest.mark.parametrize("kernels", ["auto", "off"])
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_activation_checkpointing_trains_as_without_it(tmp_path, inputs, tiny_base_dir, reference, zero, kernels):
+def test_activation_checkpointing_trains_as_without_it(checkpointed, reference, zero, kernels):
     """Non-reentrant activation checkpointing (the default on GPUs) under ZeRO-2 and ZeRO-3, with our kernels and
-    without: the same losses and tensors as the one-rank run without it, within fp32 rounding."""
-    overrides = [
-        *TINY,
-        *TWO_RANKS,
-        f"deepspeed={zero}",
-        f"train.kernels={kernels}",
-        "train.gradient_checkpointing=true",
-    ]
-    train(inputs, tiny_base_dir, tmp_path, overrides)
-    assert read_json(tmp_path / "checkpoints" / "plan.json")["launch"]["gradient_checkpointing"] is True
-    assert read_json(tmp_path / "metrics.json")["checkpointed_layers"] == 2  # the tiny model's decoder layers
-    installed = read_json(tmp_path / "metrics.json")["kernels"]
+    without: the same losses and tensors as the one-rank run without it, within fp32 rounding. So 2 ranks under
+    ZeRO-3 train what 1 rank trains (ZeRO-0 and 1: `test_zero0_and_zero1_train_in_bf16`, ZeRO-2: the session's
+    run, with offload: `test_offload_variants_match_one_rank`)."""
+    run = checkpointed(zero, kernels)
+    assert read_json(run / "checkpoints" / "plan.json")["launch"]["gradient_checkpointing"] is True
+    assert read_json(run / "metrics.json")["checkpointed_layers"] == 2  # the tiny model's decoder layers
+    installed = read_json(run / "metrics.json")["kernels"]
     if kernels == "auto":  # under ZeRO-3 the LoRA kernel inside the layers gathered whole, the parameter lists kept
         zero3 = {installed[name] for name in ("zero3_lists", "zero3_fetch", "zero3_release", "zero3_flags")}
         assert installed["lora_linear"] > 0 and zero3 == {zero == "zero3"}
     assert read_json(reference / "metrics.json")["checkpointed_layers"] == 0
-    assert_same_training(tmp_path, reference, atol=1e-5)
+    assert_same_training(run, reference, atol=1e-5)
 
 
 def test_the_fused_loss_under_zero3_gathers_a_frozen_head(tmp_path, inputs, tiny_base_dir, peoples_daily):
@@ -439,9 +435,10 @@ def test_the_fused_loss_under_zero3_gathers_a_frozen_head(tmp_path, inputs, tiny
 
 
 def test_eager_attention_trains_as_sdpa(tmp_path, inputs, tiny_base_dir, reference):
-    """train.attention reaches the ranks' model: eager attention (transformers' own, so not our CPU attention
-    kernel) gives the SDPA reference's losses and tensors within fp32 rounding."""
-    train(inputs, tiny_base_dir, tmp_path, [*TINY, *TWO_RANKS, "train.attention=eager"])
+    """train.attention reaches the rank's model: eager attention (transformers' own, so not our CPU attention
+    kernel) gives the SDPA reference's losses and tensors within fp32 rounding, on one rank as the reference (the
+    ranks do not meet inside attention; 2 ranks equal 1 rank: above)."""
+    train(inputs, tiny_base_dir, tmp_path, [*TINY, *ONE_RANK, "deepspeed=zero2", "train.attention=eager"])
     assert read_json(tmp_path / "checkpoints" / "plan.json")["launch"]["attention"] == "eager"
     assert read_json(tmp_path / "metrics.json")["kernels"]["attention"] == 0
     assert read_json(reference / "metrics.json")["kernels"]["attention"] == 1

@@ -68,16 +68,14 @@ def test_configuration_reference_is_generated_from_conf():
 
 def test_package_inits_hold_a_front_page_and_only_kernels_code():
     """Package __init__ files hold a docstring; kernels' also its one door (`apply`), and the dependency check then
-    counts it as a module the train stage runs (with the C++ its modules compile); stages' the hand-over to a stage
-    server, which `python -m stages.NAME` runs before NAME (and which changes no output: not a dependency)."""
+    counts it as a module the train stage runs (with the C++ its modules compile)."""
     with_code = {
         init.relative_to(REPO).as_posix()
         for package in code_deps.PACKAGES
         for init in (REPO / package).rglob("__init__.py")
         if code_deps.holds_code(init)
     }
-    assert with_code == {"pipeline/kernels/__init__.py", "stages/__init__.py"}
-    assert "stages/__init__.py" in code_deps.NOT_DEPENDENCIES
+    assert with_code == {"pipeline/kernels/__init__.py"}
     runs = code_deps.closure("stages.train")
     assert {Path("pipeline/kernels/__init__.py"), Path("pipeline/kernels/csrc/kernels.cpp")} <= runs
     assert Path("pipeline/__init__.py") not in runs

@@ -1,6 +1,6 @@
 """The environment a subprocess gets (pipeline/core/environment.py): this interpreter's bin folder first on PATH,
-once, however often it is asked for (a rank server's key is the environment: one launch, one key); a rendezvous port
-no outgoing connection can take. And the set-up's DVC reads YAML in C."""
+once, however often it is asked for; a rendezvous port no outgoing connection can take. And the set-up's DVC reads
+YAML in C."""
 
 from __future__ import annotations
 

@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from pipeline.core.atomic import read_json
 from pipeline.tracking.mlflow_run import (
     HTTP_DEFAULTS,
     MAX_PARAM_VALUE,
-    Tracker,
     _retry_locked,
     flatten,
     numeric_leaves,
@@ -28,7 +24,6 @@ from pipeline.tracking.mlflow_run import (
     resolve_uri,
     runtime_tags,
 )
-from pipeline.tracking.relay import Relayed, open_relayed
 from tests.conftest import REPO
 
 URI = "sqlite:///mlruns.db"
@@ -229,14 +224,9 @@ def test_user_http_settings_are_kept(monkeypatch: pytest.MonkeyPatch, capfd: pyt
     assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
 
 
-@pytest.mark.parametrize(
-    "opener", [open_run, pytest.param(open_relayed, marks=pytest.mark.integration, id="relayed")], ids=["direct", None]
-)
-def test_failing_call_disables_tracking_with_one_warning(opener, tmp_path: Path, capfd: pytest.CaptureFixture[str]):
-    """In the stage itself and through the relay (pipeline/tracking/relay.py, which starts a process): one warning
-    in the stage, nothing after it reaches the run."""
-    tracker = opener(uri=URI, experiment="lora", run_id_file=tmp_path / "run.json")
-    assert type(tracker) is (Tracker if opener is open_run else Relayed)
+def test_failing_call_disables_tracking_with_one_warning(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    """One warning in the stage, nothing after it reaches the run."""
+    tracker = open_run(uri=URI, experiment="lora", run_id_file=tmp_path / "run.json")
     tracker.log_params({"lora.r": 8})
     capfd.readouterr()
     tracker.log_params({"lora.r": 16})  # MLflow refuses to change a logged param
@@ -248,70 +238,6 @@ def test_failing_call_disables_tracking_with_one_warning(opener, tmp_path: Path,
     run = client().get_run(tracker.run_id)
     assert run.data.params == {"lora.r": "8"} and run.data.metrics == {}
     assert run.info.status == "RUNNING"  # nothing reaches MLflow after the failure
-
-
-def test_a_relay_that_cannot_start_again_warns_once_and_never_fails_the_stage(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-):
-    """A call after the relay idled out starts it again (tests/integration/test_tracking_relay.py); where it cannot
-    (here another process holds the start's lock past START_S), the stage warns once and goes on untracked."""
-    from filelock import FileLock
-
-    from pipeline.tracking import relay
-
-    monkeypatch.setattr(relay, "START_S", 0.2)
-    tracker = Relayed(address=tmp_path / "gone.sock", run_id="0" * 32, uri=f"sqlite:///{tmp_path}/mlruns.db")
-    with FileLock(tmp_path / "starting.lock"):
-        tracker.log_metrics({"loss": 1.0}, step=1)
-        tracker.close()
-    assert tracker.disabled
-    err = capfd.readouterr().err
-    warning = f"tracking: log_series on sqlite:///{tmp_path}/mlruns.db failed (ConnectionError: relay gone)"
-    assert err.splitlines() == [f"{warning}; going on without MLflow"], err
-
-
-@pytest.fixture
-def busy_relay(tmp_path: Path):
-    """A relay's socket whose relay takes every call and never answers (one busy past the reply time)."""
-    address = tmp_path / "busy.sock"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(str(address))
-    listener.listen(8)
-    taken: list[socket.socket] = []
-    threading.Thread(target=lambda: taken.extend(iter(lambda: listener.accept()[0], None)), daemon=True).start()
-    yield address, taken
-    for connection in taken:
-        connection.close()
-    listener.close()
-
-
-def test_a_busy_relay_is_neither_asked_again_nor_replaced_and_opens_no_second_run(
-    tmp_path: Path, busy_relay, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
-):
-    """A relay that took a call and has not answered may still carry it out: opening the run here too (or starting
-    another relay on its socket) would make a second run of the execution, sending a call again would log it twice.
-    The stage warns and goes on untracked; the busy relay keeps its socket."""
-    from pipeline.tracking import relay
-
-    address, taken = busy_relay
-    monkeypatch.setattr(relay, "REPLY_S", 0.3)
-    monkeypatch.setattr(relay, "_address", lambda database: address)
-    database = tmp_path / "mlruns.db"  # the module's empty store
-    tracker = open_relayed(uri=f"sqlite:///{database}", experiment="lora", run_id_file=tmp_path / "run.json")
-    assert type(tracker) is Tracker and tracker.disabled and tracker.run_id is None
-    tracked = Relayed(address=address, run_id="0" * 32, uri=f"sqlite:///{database}")
-    tracked.log_metrics({"loss": 1.0}, step=1)
-    tracked.log_params({"lora.r": 8})  # after the first failure: nothing sent
-    deadline = time.monotonic() + 10
-    while len(taken) < 2 and time.monotonic() < deadline:  # the listener's thread takes them as it gets the core
-        time.sleep(0.05)
-    assert tracked.disabled and len(taken) == 2, "each call sent once, to the busy relay only"
-    assert address.is_socket() and not (tmp_path / "run.json").exists()
-    assert client().search_runs([e.experiment_id for e in client().search_experiments()]) == [], "no run opened"
-    assert not (address.parent / "starting.lock").exists(), "no relay started beside the busy one"
-    err = capfd.readouterr().err.splitlines()
-    assert len(err) == 2 and all("gave no answer within 0.3 s" in line for line in err), err
-    assert err[0].startswith("tracking: opening a run on sqlite:///") and "log_series" in err[1]
 
 
 def test_context_manager_marks_failed_run():
