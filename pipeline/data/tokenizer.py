@@ -17,6 +17,7 @@ HF_TOKENIZER = "tokenizer.json"
 META = "pipeline_tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 FILES = (HF_TOKENIZER, SP_MODEL, *CONFIG_FILES)  # what travels with checkpoints and adapters
+TEKKEN = "tekken.json"  # Mistral's own tokenizer format (mistral-common)
 BPE_FILES = ("vocab.json", "merges.txt")  # GPT-2-style tokenizers saved without tokenizer.json
 
 
@@ -27,13 +28,22 @@ def find_tokenizer(folders: list[Path | None]) -> Path | None:
 
 
 def load_tokenizer(path: Path, gguf_file: str | None = None):
-    """Load an HF tokenizer and refuse one that loads empty (transformers 5 can build those silently)."""
+    """Load an HF tokenizer and refuse one that loads empty (transformers 5 can build those silently). For a
+    Mistral-family config transformers first probes mistral-common's backend, importing the package's optional
+    dependencies (tiktoken) even with `mistral_format=False` (transformers 5.23); where that import fails and the
+    folder has no `tekken.json` (the only file that backend reads), the folder loads again past the probe (the
+    `fix_mistral_regex` argument skips it, False being its default behaviour)."""
     from transformers import AutoTokenizer
 
     if not Path(path).exists():
         raise FileNotFoundError(f"{path}: tokenizer folder not found")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+        except ImportError as err:
+            if gguf_file is None and (Path(path) / TEKKEN).is_file():
+                raise ValueError(f"{TEKKEN} needs mistral-common with its dependencies ({err})") from None
+            tokenizer = AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file, fix_mistral_regex=False)
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: cannot load a tokenizer ({err})") from None
     if len(tokenizer) == 0 or not tokenizer("a b", add_special_tokens=False).input_ids:

@@ -82,8 +82,9 @@ class Launch:
         return self.world_size // self.sequence_parallel
 
 
-def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
-    """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine."""
+def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig, model_config: dict | None = None) -> Launch:
+    """Accelerator, ranks, precision, accumulation, activation checkpointing and attention for this machine and
+    the model of `model_config` (its config.json; the attention it supports)."""
     from pipeline.launching import cluster
 
     nodes = cluster.resolve(launcher)
@@ -110,7 +111,11 @@ def resolve_launch(*, train: TrainConfig, launcher: LauncherConfig) -> Launch:
         global_batch_size=train.micro_batch_size * accumulation * data_world,
         gradient_checkpointing=accelerator == "cuda" if checkpointing == "auto" else bool(checkpointing),
         attention=attention_implementation(
-            train.attention, accelerator=accelerator, precision=precision, flash_installed=flash_attn_installed()
+            train.attention,
+            accelerator=accelerator,
+            precision=precision,
+            flash_installed=flash_attn_installed(),
+            supported=supported_attention(model_config),
         ),
         hosts=nodes.hosts,
         join_timeout_s=launcher.join_timeout_s,
@@ -145,12 +150,39 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def attention_implementation(requested: str, *, accelerator: str, precision: str, flash_installed: bool) -> str:
-    """`train.attention`: auto is flash-attention 2 where it can run (CUDA, bf16 or fp16, the flash-attn package
-    installed), else PyTorch's SDPA; one named must be able to run here."""
+def supported_attention(model_config: dict | None) -> frozenset[str]:
+    """The attention implementations the model class of `model_config` declares (transformers' `_supports_sdpa`,
+    `_supports_flash_attn`; eager always): Gemma 2 has no SDPA (its soft-capped scores). All of them for a config
+    transformers has no class for (remote code: its own flags are read when it loads)."""
+    every = frozenset(("eager", "sdpa", FLASH))
+    if not model_config or not model_config.get("model_type"):
+        return every
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config["model_type"])
+    if name is None:
+        return every
+    import transformers
+
+    model_class = getattr(transformers, name)
+    flags = {"sdpa": "_supports_sdpa", FLASH: "_supports_flash_attn"}
+    return frozenset({"eager", *(kind for kind, flag in flags.items() if getattr(model_class, flag, False))})
+
+
+def attention_implementation(
+    requested: str, *, accelerator: str, precision: str, flash_installed: bool, supported: frozenset[str]
+) -> str:
+    """`train.attention`: auto is the best the model supports here: flash-attention 2 where it can run (CUDA, bf16
+    or fp16, the flash-attn package installed), else PyTorch's SDPA, else eager; one named must be able to run here
+    and be one the model supports (`supported_attention`)."""
     usable = accelerator == "cuda" and precision in ("bf16", "fp16") and flash_installed
     if requested == "auto":
-        return FLASH if usable else "sdpa"
+        return FLASH if usable and FLASH in supported else "sdpa" if "sdpa" in supported else "eager"
+    if requested not in supported:
+        raise ValueError(
+            f"train.attention: the model does not support {requested} (transformers' flags for its class); "
+            f"expected auto or one of {', '.join(sorted(supported))}"
+        )
     if requested == FLASH and not usable:
         missing = (
             "a CUDA accelerator" if accelerator != "cuda"

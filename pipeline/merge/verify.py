@@ -12,6 +12,7 @@ import torch
 
 from pipeline.checkpoints import adapter as adapter_format
 from pipeline.checkpoints.model_files import FileTensor, model_tensors
+from pipeline.model import weight_names
 
 TOLERANCES = {"fp32": (1e-3, 1e-6), "bf16": (1.0, 2e-2), "fp16": (0.25, 2e-3)}  # max |logit diff|, max mean KL
 Source = Callable[[], torch.Tensor]  # a parameter's value, read when its block runs
@@ -63,7 +64,7 @@ def streamed_logits(
     blocks = set(model._no_split_modules or ())
     head = model.get_output_embeddings()
     linear = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
-    base = model_tensors(model_dir)
+    base = weight_names.by_parameter(model, model_tensors(model_dir))  # under the model's names
     if adapter_dir is None:
         sources = _sources(model, lambda name: base.get(name), str(model_dir))
     else:
@@ -116,6 +117,8 @@ def _sources(model: torch.nn.Module, find: Callable[[str], FileTensor | None], w
     def reader(tensor: FileTensor, shape: torch.Size) -> Source:
         def read() -> torch.Tensor:
             value = tensor.read().float()
+            if isinstance(tensor, weight_names.Converted):
+                tensor.release()  # read once per forward: the conversion is not kept
             if value.shape == shape:
                 return value
             padded = torch.zeros(shape)

@@ -6,12 +6,14 @@ old rows (or seeded normal noise): the same values on either path, whatever the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pipeline.checkpoints.model_files import FileTensor, model_tensors
+from pipeline.model import weight_names
 
 ROW_BLOCK = 1024  # rows read, or drawn, at a time
 COPY_ELEMENTS = 1 << 24  # elements read and copied at a time into a partition
@@ -49,7 +51,7 @@ def added_rows(source: FileTensor, *, init: str, seed: int, std: float) -> Rows:
 def fill_flat(out: torch.Tensor, source: FileTensor, grown: Rows | None, start: int) -> None:
     """Fill `out` with elements [start, start + len(out)) of a parameter flattened: the file's, then the added rows',
     cast as copied, COPY_ELEMENTS at a time (memory: one block, whatever the tensor)."""
-    hidden = 1 if len(source.shape) == 1 else source.shape[1]
+    hidden = math.prod(source.shape[1:])  # elements per row (of an embedding, or of the first dimension)
     stored = source.shape[0] * hidden
     for offset in range(0, out.numel(), COPY_ELEMENTS):
         a = start + offset
@@ -65,11 +67,12 @@ def fill_flat(out: torch.Tensor, source: FileTensor, grown: Rows | None, start: 
         target[first - a :].copy_(block[first - first // hidden * hidden : b - first // hidden * hidden])
 
 
-def _sources(model: torch.nn.Module, tensors: dict[str, FileTensor], folder: Path) -> dict[str, FileTensor]:
-    """The file tensor of every parameter (tied ones once, under their first name)."""
+def _sources(model: torch.nn.Module, base_dir: Path) -> dict[str, FileTensor]:
+    """The file tensor of every parameter (tied ones once, under their first name), by transformers' names."""
+    tensors = weight_names.by_parameter(model, model_tensors(base_dir))
     missing = [name for name, _ in model.named_parameters() if name not in tensors]
     if missing:
-        raise ValueError(f"{folder}: no tensor for {missing[:5]} in the safetensors shards; expected an HF model")
+        raise ValueError(f"{base_dir}: no tensor for {missing[:5]} in the model files; expected an HF model")
     return {name: tensors[name] for name, _ in model.named_parameters()}
 
 
@@ -109,7 +112,7 @@ def load_quantized(
     if vocab_rows == old:
         return model
     model.resize_token_embeddings(vocab_rows, mean_resizing=False)
-    sources = _sources(model, model_tensors(base_dir), base_dir)
+    sources = _sources(model, base_dir)
     std = model.config.initializer_range
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -136,7 +139,7 @@ def _fill(model: torch.nn.Module, *, base_dir: Path, init: str, seed: int, part:
     added rows."""
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    sources = _sources(model, model_tensors(base_dir), base_dir)
+    sources = _sources(model, base_dir)
     embeddings = _embedding_names(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -149,6 +152,8 @@ def _fill(model: torch.nn.Module, *, base_dir: Path, init: str, seed: int, part:
                 grown = added_rows(sources[name], init=init, seed=seed, std=model.config.initializer_range)
             if len(out):
                 fill_flat(out, sources[name], grown, start)
+            if isinstance(sources[name], weight_names.Converted):
+                sources[name].release()
 
 
 def _partition_only():

@@ -50,11 +50,12 @@ def test_ranks_share_the_node_s_cores_on_every_accelerator(monkeypatch):
 
 def test_attention_is_flash_where_it_can_run_and_a_choice_that_cannot_is_named():
     from pipeline.core import config
-    from pipeline.launching.settings import FLASH, attention_implementation, resolve_launch
+    from pipeline.launching.settings import FLASH, attention_implementation, resolve_launch, supported_attention
 
-    def choose(requested: str, accelerator: str = "cuda", precision: str = "bf16", installed: bool = True) -> str:
+    def choose(requested: str, accelerator="cuda", precision="bf16", installed=True, model="llama") -> str:
+        supported = supported_attention({"model_type": model})
         return attention_implementation(
-            requested, accelerator=accelerator, precision=precision, flash_installed=installed
+            requested, accelerator=accelerator, precision=precision, flash_installed=installed, supported=supported
         )
 
     assert choose("auto") == FLASH
@@ -69,6 +70,25 @@ def test_attention_is_flash_where_it_can_run_and_a_choice_that_cannot_is_named()
             choose(FLASH, **where)
     cfg = config.Config(**config.compose(REPO / "conf", ["launcher.accelerator=cpu", "train.attention=eager"]))
     assert resolve_launch(train=cfg.train, launcher=cfg.launcher).attention == "eager"
+
+
+def test_attention_is_the_best_the_architecture_supports():
+    """Gemma 2 has no SDPA (soft-capped scores): auto is flash-attention where it runs, else eager; sdpa named for it
+    is refused, naming the key. The flags are transformers' own, read for the model's class."""
+    from transformers import Gemma2ForCausalLM, LlamaForCausalLM
+
+    from pipeline.launching.settings import FLASH, attention_implementation, supported_attention
+
+    gemma2, llama = supported_attention({"model_type": "gemma2"}), supported_attention({"model_type": "llama"})
+    assert (FLASH in gemma2, "sdpa" in gemma2) == (Gemma2ForCausalLM._supports_flash_attn, False)
+    assert llama == {"eager", "sdpa", FLASH} == supported_attention({"model_type": "not-in-transformers"})
+    assert LlamaForCausalLM._supports_sdpa
+    on = {"accelerator": "cpu", "precision": "fp32", "flash_installed": False}
+    assert attention_implementation("auto", **on, supported=gemma2) == "eager"
+    gpu = {"accelerator": "cuda", "precision": "bf16", "flash_installed": True}
+    assert attention_implementation("auto", **gpu, supported=gemma2) == FLASH
+    with pytest.raises(ValueError, match="train.attention: the model does not support sdpa"):
+        attention_implementation("sdpa", **on, supported=gemma2)
 
 
 def test_the_precisions_known_without_deepspeed_are_deepspeed_s_own_answers():
