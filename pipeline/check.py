@@ -171,14 +171,15 @@ def sample_findings(cfg: config.Config, data_format: str, sets: dict[str, str], 
 
 def model_errors(cfg: config.Config) -> list[str]:
     """The model path: there, no code of its own, and (then) what training it would refuse."""
-    from pipeline.model.remote_code import custom_code
+    from pipeline.model.remote_code import custom_code, not_causal
 
     model = cfg.model.path
     try:
         source = assets.resolve(model)
         if not source.exists():
             return [f"model.path: {model} does not exist; expected a .gguf file or an HF model folder"]
-        if source.is_dir() and (source / "config.json").is_file() and (reason := custom_code(source)):
+        folder = source.is_dir() and (source / "config.json").is_file()
+        if folder and (reason := custom_code(source) or not_causal(source)):
             return [reason]
         return training_errors(cfg, source)
     except FileNotFoundError as err:
@@ -199,13 +200,17 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
     """What the train stage would refuse, found now: the batch arithmetic, precision, ranks and sequence-parallel
     split on this machine's world, and LoRA targets named one by one against the model's Linear layers (read from
     its config or GGUF header, on the meta device)."""
+    from pipeline.export import gguf
     from pipeline.launching import cluster, preflight
     from pipeline.launching.settings import check_world, resolve_launch
     from pipeline.training.sequence_parallel import check_model
 
-    errors = []
     try:
         architecture = model_config(source)
+    except (ValueError, OSError) as err:
+        return [f"model.path: transformers cannot read the config of {source} ({err})"]
+    errors = []
+    try:
         launch = resolve_launch(train=cfg.train, launcher=cfg.launcher, model_config=architecture)
         size = cfg.train.sequence_parallel
         check_world(size, world_size=launch.world_size, hpz_partition_size=cfg.deepspeed.hpz_partition_size)
@@ -214,6 +219,12 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:
         errors.append(str(err))
+    if cfg.export.gguf and architecture.get("model_type") not in gguf.ARCHITECTURES:
+        errors.append(
+            f"export.gguf: true, but the GGUF exporter writes {', '.join(gguf.ARCHITECTURES)} models and this one is "
+            f"{architecture.get('model_type')!r} ({', '.join(architecture.get('architectures') or [])}); expected "
+            "export.gguf=false for it"
+        )
     if isinstance(cfg.lora.target_modules, list):  # named one by one (not all-linear): torch's meta model
         from pipeline.model import lora, outline
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from pipeline.core.atomic import atomic_path, write_json
 from pipeline.data.tokenizer import load_tokenizer, save_tokenizer
 from pipeline.model.gguf_reading import without_torch
-from pipeline.model.remote_code import custom_code
+from pipeline.model.remote_code import custom_code, not_causal
 
 
 def check_source(source: Path) -> None:
@@ -20,7 +20,7 @@ def check_source(source: Path) -> None:
         raise FileNotFoundError(f"model.path: {source} does not exist; expected a .gguf file or an HF model folder")
     if source.suffix != ".gguf" and not (source / "config.json").is_file():
         raise ValueError(f"model.path: {source} is neither a .gguf file nor a folder with config.json")
-    if source.suffix != ".gguf" and (reason := custom_code(source)):
+    if source.suffix != ".gguf" and (reason := custom_code(source) or not_causal(source)):
         raise ValueError(reason)
 
 

@@ -46,3 +46,35 @@ def test_a_tensor_the_files_lack_is_named(architecture_dirs, tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"gpt_neox: no tensor for \['lm_head.weight'\]"):
         load_whole(base_dir=folder, dtype=torch.float32, vocab_rows=49152, init="mean", seed=0)
+
+
+def _model_errors(folder, *overrides: str) -> list[str]:
+    from pipeline.check import model_errors
+    from pipeline.core import config
+    from tests.conftest import REPO
+
+    chosen = ["experiment=tiny", f"model.path={folder}", "launcher.accelerator=cpu", *overrides]
+    return model_errors(config.Config(**config.compose(REPO / "conf", chosen)))
+
+
+def test_check_passes_every_architecture_and_names_what_it_cannot_train(architecture_dirs, tmp_path):
+    """`check` (before any stage runs): every architecture of the matrix passes; an encoder (DistilBERT, written
+    by transformers' own classes) is refused naming model.path; SDPA asked for a model without it (Gemma 2) is refused
+    naming train.attention."""
+    from transformers import DistilBertConfig, DistilBertModel
+
+    for name, folder in architecture_dirs.items():
+        assert _model_errors(folder) == [], name
+    encoder = tmp_path / "distilbert"
+    shape = {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64}
+    DistilBertModel(DistilBertConfig(**shape)).save_pretrained(str(encoder))
+    (errors,) = _model_errors(encoder)
+    assert errors.startswith(f"model.path: {encoder / 'config.json'} is a 'distilbert' model (DistilBertModel)")
+    assert "cannot build as a causal language model" in errors
+    assert _model_errors(architecture_dirs["gemma2"], "train.attention=sdpa") == [
+        "train.attention: the model does not support sdpa (transformers' flags for its class); expected auto or one "
+        "of eager, flash_attention_2"
+    ]
+    (refused,) = _model_errors(architecture_dirs["gpt_neox"], "export.gguf=true")
+    assert refused.startswith("export.gguf: true, but the GGUF exporter writes llama models and this one is 'gpt_neox'")
+    assert _model_errors(architecture_dirs["llama"], "export.gguf=true") == []
