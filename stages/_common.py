@@ -36,8 +36,8 @@ def run(
     """Parse arguments, load params.yaml, run; a ValueError/FileNotFoundError prints one line and exits 2.
 
     With `prefix`, the stage logs into the pipeline's MLflow run, once `main` has returned: the flat config, runtime
-    tags, `stage.NAME=ran`, its duration, and the figures `main` returns under `prefix.` (the run is marked FAILED if
-    `main` raises).
+    tags, `stage.NAME=ran`, its duration, and the figures `main` returns under `prefix.` (numbers as metrics, words
+    as tags; the run is marked FAILED if `main` raises).
     `hides_unused(cfg)`: whether the run imports without bitsandbytes and scipy (`imports.without_unused`)."""
     quiet_third_parties()
     parser.add_argument("--params", default="params.yaml", help="composed config (default: params.yaml)")
@@ -62,7 +62,8 @@ def run(
                 raise
         seconds = time.perf_counter() - start
         with pipeline_run(cfg, args.run_id_file) as tracker:
-            name = announce(tracker, args.params)
+            words = {f"{prefix}.{key}": value for key, value in figures.items() if isinstance(value, str)}
+            name = announce(tracker, args.params, tags=words)  # figures that are words (the attention chosen)
             tracker.log_metrics({**numeric_leaves(figures, f"{prefix}."), f"seconds.{name}": seconds})
 
     guarded(tracked)

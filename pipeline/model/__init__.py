@@ -5,8 +5,10 @@
   stages' view of the base).
 - `gguf_reading`: a GGUF file's metadata read once by transformers for its config, tokenizer and model, and without
   torch for the tokenizer and config.
-- `remote_code`: whether a model folder could only load by running code of its own (refused), from its config.json.
+- `remote_code`: whether a model folder could only load by running code of its own, or is no causal LM (refused),
+  from its config.json.
 - `base_weights`: a base's tensors loaded in a dtype, whole or (under ZeRO-3) one rank's partition at a time.
+- `weight_names`: which file tensor is which model parameter, by transformers' own checkpoint conversions.
 - `pretrained`: from_pretrained for a folder in any weight format (torch pickles read by the checkpoint loader).
 - `outline`: the base's module outline (layers, Linear layers, head) written once, read instead of the architecture.
 - `lora`: the PEFT LoRA model (targets checked, DoRA, LoRA+ parameter groups, vocabulary resize).

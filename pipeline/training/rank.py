@@ -148,6 +148,7 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             "world_size": world,
             "zero_stage": plan.zero_stage,
             "precision": plan.launch.precision,
+            "attention": plan.launch.attention,  # the best the architecture supports here (launching.settings)
             "gradient_checkpointing": plan.checkpointing,
             "mfu": mfu,
             **compiled_graphs(load.get("kernels", {})),

@@ -69,6 +69,8 @@ def test_each_execution_is_one_complete_mlflow_run(tiny_pipeline):
     assert "dvc.stage.track" not in tags
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     assert tags["git_commit"] == head and tags["version.deepspeed"] and tags["world_size"] == "2"
+    plan = read_json(root / "artifacts/checkpoints/plan.json")  # the attention chosen for the model, in both
+    assert tags["train.attention"] == plan["launch"]["attention"] == "sdpa" and tags["train.precision"] == "bf16"
 
     metrics = run.data.metrics
     assert all(any(k.startswith(p) for k in metrics) for p in PREFIXES), sorted(metrics)

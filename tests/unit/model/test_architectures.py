@@ -78,3 +78,24 @@ def test_check_passes_every_architecture_and_names_what_it_cannot_train(architec
     (refused,) = _model_errors(architecture_dirs["gpt_neox"], "export.gguf=true")
     assert refused.startswith("export.gguf: true, but the GGUF exporter writes llama models and this one is 'gpt_neox'")
     assert _model_errors(architecture_dirs["llama"], "export.gguf=true") == []
+
+
+def test_a_mistral_folder_s_tokenizer_loads_whatever_mistral_common_lacks(
+    architecture_dirs, smol_tokenizer_dir, tmp_path
+):
+    """transformers probes mistral-common for every Mistral-family config, importing its optional dependencies
+    (tiktoken, absent here): a folder with tokenizer.json loads all the same, the tokenizer it holds; one with only
+    tekken.json is refused with the folder named, no traceback."""
+    import json
+
+    from pipeline.data.tokenizer import load_tokenizer
+
+    text = "Mistral 7B, 32k context: 你好"
+    loaded = load_tokenizer(architecture_dirs["mistral"])
+    assert loaded(text).input_ids == load_tokenizer(smol_tokenizer_dir)(text).input_ids
+    tekken = tmp_path / "tekken_only"
+    tekken.mkdir()
+    (tekken / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    (tekken / "tekken.json").write_text("{}")
+    with pytest.raises(ValueError, match=str(tekken)):
+        load_tokenizer(tekken)
