@@ -2,7 +2,8 @@
 (converted ones, such as fused MoE experts, through transformers' own conversions), and the gathered model is
 `AutoModelForCausalLM.from_pretrained`'s, tensor for tensor, its grown embedding rows the mean of the old. Training:
 a LoRA adapter on every Linear layer of each architecture trains, consolidates to the live engine's tensors exactly,
-and merges with the merge proof; the merged folder's logits, loaded by transformers, are PEFT's base + adapter."""
+and merges with the merge proof; the merged folder's logits, loaded by transformers, are PEFT's base + adapter, and
+evaluate's scoring gives the merged model the adapter's bits per byte."""
 
 from __future__ import annotations
 
@@ -93,3 +94,19 @@ def test_each_architecture_trains_consolidates_and_merges_as_peft_defines_it(
         untrained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(ids).logits
     assert (reference - untrained).abs().max() > 1e-3, "the adapter moves the logits"
     assert (merged - reference).abs().max() < 1e-3
+    _evaluate_gives_the_merged_model_the_adapter_s_figure(base, tmp_path)
+
+
+def _evaluate_gives_the_merged_model_the_adapter_s_figure(base: Path, tmp_path: Path) -> None:
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.evaluation.likelihood import load_model, score, text_examples
+
+    text = tmp_path / "heldout.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog.\n你好，世界。 Merged or not, the same model.\n")
+    examples = text_examples(load_tokenizer(base), text, None)
+    figures = {
+        side: score(load_model(folder, adapter, precision="fp32"), examples, context=16, stride=8, batch_size=4)
+        for side, folder, adapter in (("adapter", base, tmp_path / "adapter"), ("merged", tmp_path / "merged", None))
+    }
+    assert figures["adapter"].tokens == figures["merged"].tokens > 0
+    assert figures["merged"].as_dict()["bits_per_byte"] == pytest.approx(figures["adapter"].as_dict()["bits_per_byte"])
