@@ -121,10 +121,12 @@ def load_lora_model(
 ):
     """The base in the dtype it trains in (whole on `device`, or with `zero3_config` partitioned across the ranks as
     it is built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings
-    grown to `vocab_rows`, its attention transformers' `attention` implementation, wrapped in a fresh LoRA adapter
+    grown to `vocab_rows`, its attention transformers' `attention` implementation (or the best below it that the
+    architecture supports: `settings.usable_attention`), wrapped in a fresh LoRA adapter
     (seeded init, in `dtype` too; None: float32)."""
     from peft import get_peft_model
 
+    from pipeline.launching import settings
     from pipeline.model import base_weights
 
     dtype = dtype or torch.float32
@@ -140,6 +142,7 @@ def load_lora_model(
         model = base_weights.load_whole(**common, seed=seed, device=device)
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
+    attention = settings.usable_attention(attention, settings.supported_by(type(model)))
     if model.config._attn_implementation != attention:
         model.set_attn_implementation(attention)
     outline = of_model(model)

@@ -52,6 +52,7 @@ def build_engine(plan: Plan):
         device=f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if launch.accelerator == "cuda" else "cpu",
         attention=launch.attention,
     )
+    attention = model.config._attn_implementation  # the one the architecture supports (before any kernel's own)
     if launch.gradient_checkpointing and plan.checkpointed_layers is not None:
         recompute_only_last(model, plan.checkpointed_layers)
     skip = tuple(plan.kernels_skip)
@@ -81,7 +82,7 @@ def build_engine(plan: Plan):
         mpu=sequence_parallel.mpu(layout),  # ZeRO's reductions average over the data-parallel groups
     )
     installed |= kernels.tune_engine(engine, enabled=plan.kernels, skip=skip)
-    return engine, installed
+    return engine, installed, attention
 
 
 def reporting(plan: Plan, engine, *, block: int, load: dict):
@@ -148,7 +149,6 @@ def reporting(plan: Plan, engine, *, block: int, load: dict):
             "world_size": world,
             "zero_stage": plan.zero_stage,
             "precision": plan.launch.precision,
-            "attention": plan.launch.attention,  # the best the architecture supports here (launching.settings)
             "gradient_checkpointing": plan.checkpointing,
             "mfu": mfu,
             **compiled_graphs(load.get("kernels", {})),
@@ -249,11 +249,12 @@ def run(plan: Plan) -> None:
     from pipeline.training import initial, loop, resume, sequence_parallel
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    engine, installed = build_engine(plan)
+    engine, installed, attention = build_engine(plan)
     loading = {"before": before, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     data = {split: SplitRows(plan.paths.dataset / split) for split in ("train", "validation")}
     block = len(data["train"][0]["input_ids"])
     figures = {**load_figures(engine, loading), "sequence_parallel": plan.launch.sequence_parallel}
+    figures["attention"] = attention  # the implementation trained with (the model's own support applied)
     saved = resume.load(engine=engine, resume=plan.resume, seed=plan.schedule.seed)
     if saved is None and plan.init_adapter is not None:  # a fresh start from an adapter, not from B = 0
         initial.place(engine, plan.init_adapter)
@@ -275,7 +276,7 @@ def run(plan: Plan) -> None:
             schedule=plan.schedule,
             objective=plan.objective,
             pad_id=plan.pad_token_id,
-            varlen=plan.launch.attention == FLASH,
+            varlen=attention == FLASH,
             bucketed=bool(installed.get("compiled_layers")),  # static shapes: a graph for each of a few widths
             rank=layout.data_rank,  # the ranks of a sequence-parallel group share their rows (issue 46)
             world=layout.data_world,

@@ -40,7 +40,7 @@ def run(
     global rank 0 writes to `paths.metrics` (with the curve); RanksFailed if a rank fails."""
     if lora.quantization == "none":
         imports.without_unused()  # a base without an outline is outlined from its architecture: model code
-    settings = resolve_launch(train=train, launcher=launcher, model_config=read_json(paths.base / "config.json"))
+    settings = resolve_launch(train=train, launcher=launcher)  # the model's own support: applied by the ranks
     nodes = cluster.resolve(launcher)
     if nodes.mode in ("ssh", "slurm"):
         preflight.check_nodes(nodes, checkpoints=paths.checkpoints)

@@ -91,6 +91,18 @@ def test_attention_is_the_best_the_architecture_supports():
         attention_implementation("sdpa", **on, supported=gemma2)
 
 
+def test_the_ranks_take_the_best_implementation_the_model_class_has():
+    """The train stage imports no model code: the ranks apply the class's flags to the stage's choice."""
+    from transformers import Gemma2ForCausalLM, LlamaForCausalLM
+
+    from pipeline.launching.settings import FLASH, supported_by, usable_attention
+
+    gemma2, llama = supported_by(Gemma2ForCausalLM), supported_by(LlamaForCausalLM)
+    assert usable_attention("sdpa", gemma2) == "eager" and usable_attention(FLASH, gemma2) == FLASH
+    assert usable_attention("sdpa", llama) == "sdpa" and usable_attention("eager", llama) == "eager"
+    assert usable_attention(FLASH, frozenset({"eager", "sdpa"})) == "sdpa"
+
+
 def test_the_precisions_known_without_deepspeed_are_deepspeed_s_own_answers():
     """check_precision skips DeepSpeed (and torch) for the pairs it knows; each is what DeepSpeed's accelerator of
     that kind answers (its CPU accelerator here; CUDA's fp32 is trained everywhere), so an upgrade that changes an
