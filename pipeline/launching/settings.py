@@ -164,22 +164,9 @@ def supported_attention(model_config: dict | None) -> frozenset[str]:
         return every
     import transformers
 
+    from pipeline.model.lora import supported_by
+
     return supported_by(getattr(transformers, name))
-
-
-def supported_by(model_class: type) -> frozenset[str]:
-    """The attention implementations a transformers model class declares (eager always)."""
-    flags = {"sdpa": "_supports_sdpa", FLASH: "_supports_flash_attn"}
-    return frozenset({"eager", *(kind for kind, flag in flags.items() if getattr(model_class, flag, False))})
-
-
-def usable_attention(chosen: str, supported: frozenset[str]) -> str:
-    """`chosen` where the model supports it, else the best below it that it does (flash-attention 2, SDPA, eager):
-    what `auto` becomes on the ranks for a model whose support the train stage does not read (it imports no model
-    code; `check` has refused an implementation named that the model lacks)."""
-    order = (FLASH, "sdpa", "eager")
-    below = order[order.index(chosen) :] if chosen in order else (chosen,)
-    return next((kind for kind in below if kind in supported), chosen)
 
 
 def attention_implementation(

@@ -106,6 +106,24 @@ def lora_skeleton(*, base_dir: Path, vocab_rows: int, lora: LoraSpec, dtype: tor
     return model
 
 
+FLASH = "flash_attention_2"
+
+
+def supported_by(model_class: type) -> frozenset[str]:
+    """The attention implementations a transformers model class declares (eager always)."""
+    flags = {"sdpa": "_supports_sdpa", FLASH: "_supports_flash_attn"}
+    return frozenset({"eager", *(kind for kind, flag in flags.items() if getattr(model_class, flag, False))})
+
+
+def usable_attention(chosen: str, supported: frozenset[str]) -> str:
+    """`chosen` where the model supports it, else the best below it that it does (flash-attention 2, SDPA, eager):
+    what `auto` becomes on the ranks for a model whose support the train stage does not read (it imports no model
+    code; `check` has refused an implementation named that the model lacks)."""
+    order = (FLASH, "sdpa", "eager")
+    below = order[order.index(chosen) :] if chosen in order else (chosen,)
+    return next((kind for kind in below if kind in supported), chosen)
+
+
 def load_lora_model(
     *,
     base_dir: Path,
@@ -122,11 +140,10 @@ def load_lora_model(
     """The base in the dtype it trains in (whole on `device`, or with `zero3_config` partitioned across the ranks as
     it is built; quantized by bitsandbytes onto `device`, whole on every rank, with `quantization`), its embeddings
     grown to `vocab_rows`, its attention transformers' `attention` implementation (or the best below it that the
-    architecture supports: `settings.usable_attention`), wrapped in a fresh LoRA adapter
+    architecture supports: `usable_attention`), wrapped in a fresh LoRA adapter
     (seeded init, in `dtype` too; None: float32)."""
     from peft import get_peft_model
 
-    from pipeline.launching import settings
     from pipeline.model import base_weights
 
     dtype = dtype or torch.float32
@@ -142,7 +159,7 @@ def load_lora_model(
         model = base_weights.load_whole(**common, seed=seed, device=device)
     else:
         model = base_weights.load_partitioned(**common, seed=seed, zero3_config=zero3_config)
-    attention = settings.usable_attention(attention, settings.supported_by(type(model)))
+    attention = usable_attention(attention, supported_by(type(model)))
     if model.config._attn_implementation != attention:
         model.set_attn_implementation(attention)
     outline = of_model(model)

@@ -95,7 +95,8 @@ def test_the_ranks_take_the_best_implementation_the_model_class_has():
     """The train stage imports no model code: the ranks apply the class's flags to the stage's choice."""
     from transformers import Gemma2ForCausalLM, LlamaForCausalLM
 
-    from pipeline.launching.settings import FLASH, supported_by, usable_attention
+    from pipeline.launching.settings import FLASH
+    from pipeline.model.lora import supported_by, usable_attention
 
     gemma2, llama = supported_by(Gemma2ForCausalLM), supported_by(LlamaForCausalLM)
     assert usable_attention("sdpa", gemma2) == "eager" and usable_attention(FLASH, gemma2) == FLASH
