@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from pipeline.core import assets, config
+from pipeline.core import config
 from pipeline.data import truncation, verified
 from pipeline.data.formats import template_for
 from pipeline.data.inputs import data_files, detected_format, items, kind, resolved_format
 from pipeline.data.textio import verify
+from pipeline.model import hub
 
 TRIED_ROWS = 8  # rows of each evaluation set tried as evaluate will score them
 
@@ -29,20 +30,35 @@ class Checked:
     errors: list[str]
     warnings: list[str]
     verified: set[str]
+    model: dict  # the hub model's commit (hub.checked_source), {} for a local base
 
 
 def check(
-    cfg: config.Config, *, defaults: config.Config, produced: list[Path], known: set[str], tokenizer_memo: Path | None
+    cfg: config.Config,
+    *,
+    defaults: config.Config,
+    produced: list[Path],
+    known: set[str],
+    tokenizer_memo: Path | None,
+    pinned: dict,
 ) -> Checked:
     """Every problem of `cfg` (composed with `defaults`: conf/ as it stands), input files in folders an earlier
     stage writes (`produced`) left to that stage, files whose identity is in `known` taken as valid; a .gguf base's
-    tokenizer kept in the folder `tokenizer_memo` (None: read from the file each time)."""
+    tokenizer kept in the folder `tokenizer_memo` (None: read from the file each time); a hub base resolved at the
+    commit `pinned` records for it, unless model.revision chooses one."""
     errors, warnings = config.ineffective(cfg, defaults)
-    errors += model_errors(cfg)
+    try:
+        source, model = hub.checked_source(cfg.model.path, chosen=cfg.model.revision, recorded=pinned)
+    except (ValueError, FileNotFoundError) as err:
+        return Checked(errors=[*errors, str(err)], warnings=warnings, verified=set(), model={})
+    errors += model_errors(cfg, source)
     if cfg.train.resume_from and not (Path(cfg.train.resume_from) / "latest").is_file():
         errors.append(f"train.resume_from: {cfg.train.resume_from} holds no checkpoint ('latest' missing)")
-    found, cautions, seen = data_findings(cfg, produced=produced, known=known, tokenizer_memo=tokenizer_memo)
-    return Checked(errors=list(dict.fromkeys(errors + found)), warnings=warnings + cautions, verified=seen)
+    found, cautions, seen = data_findings(
+        cfg, source=source, produced=produced, known=known, tokenizer_memo=tokenizer_memo
+    )
+    errors = list(dict.fromkeys(errors + found))
+    return Checked(errors=errors, warnings=warnings + cautions, verified=seen, model=model)
 
 
 def is_produced(path: str, outputs: list[Path]) -> bool:
@@ -71,11 +87,11 @@ def inputs(cfg: config.Config, data_format: str) -> list[tuple[str, str, str]]:
 
 
 def data_findings(
-    cfg: config.Config, *, produced: list[Path], known: set[str], tokenizer_memo: Path | None
+    cfg: config.Config, *, source: Path, produced: list[Path], known: set[str], tokenizer_memo: Path | None
 ) -> tuple[list[str], list[str], set[str]]:
     """(errors, warnings, files found valid) about the data: its format, every input file read as its stage will
-    (those in `known` are unchanged since they were), then the first rows tokenized with the base's tokenizer where
-    any input holds rows (`sample_findings`)."""
+    (those in `known` are unchanged since they were), then the first rows tokenized with the tokenizer of the base
+    at `source` where any input holds rows (`sample_findings`)."""
     from pipeline.data.tokenizer import model_tokenizer
 
     data_format, errors = format_errors(cfg)
@@ -105,7 +121,7 @@ def data_findings(
     if errors or (data_format == "text" and not row_sets):
         return errors, [], seen
     try:
-        tokenizer = model_tokenizer(assets.resolve(cfg.model.path), tokenizer_memo)
+        tokenizer = model_tokenizer(source, tokenizer_memo)
     except (ValueError, FileNotFoundError) as err:
         return [f"model.path: {err}"], [], seen
     found, warnings = sample_findings(cfg, data_format, row_sets, tokenizer)
@@ -169,21 +185,20 @@ def sample_findings(cfg: config.Config, data_format: str, sets: dict[str, str], 
     return errors, warnings
 
 
-def model_errors(cfg: config.Config) -> list[str]:
-    """The model path: there, no code of its own, and (then) what training it would refuse."""
+def model_errors(cfg: config.Config, source: Path) -> list[str]:
+    """The base (model.path, found at `source`): there, no code of its own, and (then) what training it would
+    refuse."""
     from pipeline.model.remote_code import custom_code, not_causal
 
-    model = cfg.model.path
-    try:
-        source = assets.resolve(model)
-        if not source.exists():
-            return [f"model.path: {model} does not exist; expected a .gguf file or an HF model folder"]
-        folder = source.is_dir() and (source / "config.json").is_file()
-        if folder and (reason := custom_code(source) or not_causal(source)):
-            return [reason]
-        return training_errors(cfg, source)
-    except FileNotFoundError as err:
-        return [f"model.path: {err}"]
+    if not source.exists():
+        return [
+            f"model.path: {cfg.model.path} does not exist; expected a .gguf file, an HF model folder or a hub id "
+            "(OWNER/NAME)"
+        ]
+    folder = source.is_dir() and (source / "config.json").is_file()
+    if folder and (reason := custom_code(source) or not_causal(source)):
+        return [reason]
+    return training_errors(cfg, source)
 
 
 def model_config(source: Path) -> dict:

@@ -11,6 +11,7 @@ from pipeline.core import config
 from pipeline.core.atomic import write_json
 from pipeline.core.log import logger
 from pipeline.data import verified
+from pipeline.model import hub
 from stages._common import run
 
 log = logger("check")
@@ -20,14 +21,22 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
     known = verified.load(args.memo) if args.memo else set()
     defaults = config.validate(config.compose(args.conf), "conf/")
     tokenizer_memo = args.memo.with_name("check_tokenizer") if args.memo else None
-    found = check(cfg, defaults=defaults, produced=args.produced, known=known, tokenizer_memo=tokenizer_memo)
+    found = check(
+        cfg,
+        defaults=defaults,
+        produced=args.produced,
+        known=known,
+        tokenizer_memo=tokenizer_memo,
+        pinned=hub.recorded(args.out),  # a hub base stays at the commit first seen (persist: kept between runs)
+    )
     for warning in found.warnings:
         log.info(f"warning: {warning}")
     if found.errors:
         raise ValueError("\n".join(found.errors))
     if args.memo:
         verified.save(args.memo, known | found.verified)
-    write_json(args.out, {"checked": "params.yaml and the input files it names"})
+    model = {"model": found.model} if found.model else {}  # the hub commit the stages after this one read
+    write_json(args.out, {"checked": "params.yaml and the input files it names", **model})
     log.info("the configuration and its input files are fine")
 
 

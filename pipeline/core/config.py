@@ -23,6 +23,7 @@ class Section(BaseModel):
 
 class ModelConfig(Section):
     path: str
+    revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"]
     max_shard_size: str
 

@@ -54,7 +54,7 @@ def _model_errors(folder, *overrides: str) -> list[str]:
     from tests.conftest import REPO
 
     chosen = ["experiment=tiny", f"model.path={folder}", "launcher.accelerator=cpu", *overrides]
-    return model_errors(config.Config(**config.compose(REPO / "conf", chosen)))
+    return model_errors(config.Config(**config.compose(REPO / "conf", chosen)), folder)
 
 
 def test_check_passes_every_architecture_and_names_what_it_cannot_train(architecture_dirs, tmp_path):
