@@ -157,7 +157,7 @@ def _link_hf_folder(source: Path, dst: Path, *, dtype: torch.dtype, max_shard_si
     dst.mkdir(parents=True)
     for path in weights + [source / name for name in MODEL_FILES if (source / name).is_file()]:
         try:
-            os.link(path, dst / path.name)
+            os.link(path.resolve(), dst / path.name)  # Linux's link() links a symlink itself (a hub cache's)
         except OSError:
             shutil.copy2(path, dst / path.name)
 

@@ -53,10 +53,17 @@ def test_what_names_a_hub_repository(tmp_path, monkeypatch):
     assert not is_hub_id("a/b/c") and not is_hub_id("/abs/path") and not is_hub_id("./x/y") and not is_hub_id("x")
 
 
-def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(hub_cache, architecture_dirs, tmp_path):
+def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(
+    hub_cache, architecture_dirs, smol_tokenizer_dir, tmp_path
+):
     """Offline, `model.path=OWNER/NAME` is found in the cache at refs/main's commit: the check passes it (the model,
     its tokenizer on the data's first rows) and records the commit; the stages after the check read that snapshot,
-    weights included, however refs/main has moved since."""
+    weights included, however refs/main has moved since, and import it (the cache's files are links to its blobs)
+    into a base that from_pretrained loads equal to the snapshot's model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.model.base_import import import_base
     from pipeline.model.hub import base_source
 
     first = add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["qwen3"], commit=FIRST)
@@ -67,6 +74,17 @@ def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(hub_cache, ar
     add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["llama"], commit=SECOND)  # main moved on
     source = base_source(REPO_ID, checked=checked, weights=True)
     assert source == first and (source / "model.safetensors").is_file()
+    import_base(
+        source=source,
+        out_dir=tmp_path / "base",
+        tokenizer_dir=smol_tokenizer_dir,
+        dtype="float32",
+        max_shard_size="2GB",
+    )
+    assert not any(path.is_symlink() for path in (tmp_path / "base").iterdir())
+    imported = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(architecture_dirs["qwen3"], dtype=torch.float32).state_dict()
+    assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
 
 
 def test_a_moving_main_stays_at_the_commit_first_seen_until_a_revision_is_named(hub_cache, architecture_dirs):
