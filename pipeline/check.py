@@ -234,12 +234,8 @@ def training_errors(cfg: config.Config, source: Path) -> list[str]:
             preflight.check_nodes(cluster.resolve(cfg.launcher), checkpoints=None)
     except (ValueError, FileNotFoundError) as err:
         errors.append(str(err))
-    if cfg.export.gguf and architecture.get("model_type") not in gguf.ARCHITECTURES:
-        errors.append(
-            f"export.gguf: true, but the GGUF exporter writes {', '.join(gguf.ARCHITECTURES)} models and this one is "
-            f"{architecture.get('model_type')!r} ({', '.join(architecture.get('architectures') or [])}); expected "
-            "export.gguf=false for it"
-        )
+    if cfg.export.gguf and (problem := gguf.architecture_problem(architecture)):
+        errors.append(f"export.gguf: true, but the base's {problem}; expected export.gguf=false for it")
     if isinstance(cfg.lora.target_modules, list):  # named one by one (not all-linear): torch's meta model
         from pipeline.model import lora, outline
 

@@ -43,15 +43,15 @@ MATRIX = {
 }
 
 
-def write(name: str, out: Path, tokenizer_dir: Path, *, seed: int = 0) -> Path:
-    """A tiny random model of the architecture `name` with the tokenizer of `tokenizer_dir`, saved by
-    `save_pretrained` into `out` (the same bytes for the same seed)."""
+def write(name: str, out: Path, tokenizer_dir: Path, *, seed: int = 0, changes: dict | None = None) -> Path:
+    """A tiny random model of the architecture `name` (its config's arguments with `changes`) with the tokenizer of
+    `tokenizer_dir`, saved by `save_pretrained` into `out` (the same bytes for the same seed)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config_class, arguments, _ = MATRIX[name]
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), **arguments)
+    config = getattr(transformers, config_class)(vocab_size=len(tokenizer), **{**arguments, **(changes or {})})
     config.pad_token_id = config.eos_token_id = tokenizer.eos_token_id
     config.bos_token_id = tokenizer.bos_token_id
     torch.manual_seed(seed)

@@ -47,6 +47,46 @@ def test_round_trip_through_transformers(tiny_base_dir, tmp_path, type_name, mon
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "changes", "pre"),
+    [
+        ("qwen2", {}, "qwen2"),  # biases on q, k, v, an untied head, Qwen2's split (transformers loads it so)
+        ("qwen3", {"head_dim": 128}, "gpt2"),  # QK norms (the head_dim every released Qwen3 has)
+        ("mistral", {"sliding_window": None}, "gpt2"),  # llama.cpp writes Mistral as its llama architecture
+    ],
+)
+def test_round_trip_of_other_architectures(name, changes, pre, smol_tokenizer_dir, tmp_path):
+    """Architectures beyond LLaMA, written by transformers' own classes, read back by transformers' GGUF loader
+    (the tensors' names by llama.cpp's map, the tokenizer's split by name): f16 computes exactly the f16-rounded
+    source, the tokenizer encodes the probes alike."""
+    import gguf
+
+    from tests.helpers.architectures import write
+
+    folder = write(name, tmp_path / "merged", smol_tokenizer_dir, changes=changes)  # the stage's folder: the file's
+    # name (transformers' GGUF reader takes a file named "mistral..." for an architecture of that name, which it lacks)
+    export_gguf(model_dir=folder, out=tmp_path / "m.gguf", type_name="f16")
+    figures = roundtrip(model_dir=folder, gguf_file=tmp_path / "m.gguf", type_name="f16")
+    assert figures["max_abs_diff_vs_f16_rounded"] == 0.0 and figures["top1_agreement"] == 1.0
+    field = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["tokenizer.ggml.pre"]
+    assert bytes(field.parts[field.data[0]]).decode() == pre
+
+
+def test_what_gguf_cannot_hold_is_refused_naming_it(smol_tokenizer_dir, tmp_path):
+    """A sliding window (GGUF's architectures attend to the whole context) and a Qwen3 head size transformers'
+    reader cannot rebuild: refused before anything is written."""
+    from tests.helpers.architectures import write
+
+    mistral = write("mistral", tmp_path / "mistral", smol_tokenizer_dir)
+    with pytest.raises(ValueError, match=r"mistral/config.json: sliding_window 16: GGUF's llama attends to the whole"):
+        export_gguf(model_dir=mistral, out=tmp_path / "a.gguf", type_name="f16")
+    qwen3 = write("qwen3", tmp_path / "qwen3", smol_tokenizer_dir)
+    with pytest.raises(ValueError, match=r"qwen3/config.json: head_dim 8: transformers' GGUF reader"):
+        export_gguf(model_dir=qwen3, out=tmp_path / "a.gguf", type_name="f16")
+    assert list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".*tmp*")) == []
+
+
+@pytest.mark.slow
 def test_without_the_rotary_row_order_the_proof_fails(tiny_base_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_export, "rope_rows_interleaved", lambda weight, heads: weight)
     export_gguf(model_dir=tiny_base_dir, out=tmp_path / "m.gguf", type_name="f16")
@@ -59,7 +99,10 @@ def test_bad_export_input_writes_nothing(tiny_base_dir, tmp_path):
     shutil.copytree(tiny_base_dir, other)
     raw = read_json(other / "config.json")
     (other / "config.json").write_text(json.dumps({**raw, "model_type": "gpt2"}))
-    with pytest.raises(ValueError, match=r"model_type 'gpt2': the GGUF exporter knows llama .* --type q8_0"):
+    with pytest.raises(
+        ValueError,
+        match=r"model_type 'gpt2' \(LlamaForCausalLM\): the GGUF exporter knows llama, mistral, qwen2, qwen3; --type",
+    ):
         export_gguf(model_dir=other, out=tmp_path / "a.gguf", type_name="q8_0")
     with pytest.raises(ValueError, match=r"--type: expected one of f16, q8_0, got 'q4_k'"):
         check_exportable(tiny_base_dir, "q4_k")
@@ -67,7 +110,9 @@ def test_bad_export_input_writes_nothing(tiny_base_dir, tmp_path):
     spec = read_json(other / "tokenizer.json")
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁"}
     (other / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"tokenizer.json: the exporter writes byte-level BPE tokenizers"):
+    with pytest.raises(
+        ValueError, match=r"its tokenizer splits text as .*Metaspace.*; the exporter writes byte-level BPE"
+    ):
         export_gguf(model_dir=other, out=tmp_path / "a.gguf", type_name="f16")
     assert list(tmp_path.glob("*.gguf")) == [] and list(tmp_path.glob(".*tmp*")) == []
 

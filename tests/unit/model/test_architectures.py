@@ -76,8 +76,14 @@ def test_check_passes_every_architecture_and_names_what_it_cannot_train(architec
         "of eager, flash_attention_2"
     ]
     (refused,) = _model_errors(architecture_dirs["gpt_neox"], "export.gguf=true")
-    assert refused.startswith("export.gguf: true, but the GGUF exporter writes llama models and this one is 'gpt_neox'")
+    assert refused == (
+        "export.gguf: true, but the base's model_type 'gpt_neox' (GPTNeoXForCausalLM): the GGUF exporter knows "
+        "llama, mistral, qwen2, qwen3; expected export.gguf=false for it"
+    )
+    (window,) = _model_errors(architecture_dirs["mistral"], "export.gguf=true")
+    assert window.startswith("export.gguf: true, but the base's sliding_window 16: GGUF's llama attends to the whole")
     assert _model_errors(architecture_dirs["llama"], "export.gguf=true") == []
+    assert _model_errors(architecture_dirs["qwen2"], "export.gguf=true") == []
 
 
 def test_a_mistral_folder_s_tokenizer_loads_whatever_mistral_common_lacks(
