@@ -6,6 +6,7 @@ memory never holds a file; errors name the file and the line (or row, or element
 
 from __future__ import annotations
 
+import codecs
 import glob
 import io
 import json
@@ -58,12 +59,17 @@ def kind(path: Path) -> str:
 
 
 def open_bytes(path: Path) -> io.BufferedReader:
-    """The file's bytes, decompressed as they are read where its suffix names a codec."""
+    """The file's bytes, decompressed as they are read where its suffix names a codec, after its leading UTF-8 byte
+    order mark if it has one."""
     if path.suffix not in CODECS:
-        return path.open("rb")
-    import pyarrow as pa
+        file = path.open("rb")
+    else:
+        import pyarrow as pa
 
-    return io.BufferedReader(pa.input_stream(str(path), compression=CODECS[path.suffix]), 1 << 20)
+        file = io.BufferedReader(pa.input_stream(str(path), compression=CODECS[path.suffix]), 1 << 20)
+    if file.peek(len(codecs.BOM_UTF8)).startswith(codecs.BOM_UTF8):
+        file.read(len(codecs.BOM_UTF8))
+    return file
 
 
 def estimated_items(spec: Path | str) -> int:
