@@ -19,7 +19,11 @@ from pipeline.data import formats, json_array
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # any other suffix is plain text
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")
-COLUMNS = {"alpaca": ("instruction", "output"), "preference": ("chosen", "rejected")}  # a Parquet file must have
+COLUMNS = {  # a Parquet file must have
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+}
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 

@@ -177,11 +177,11 @@ def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], 
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    """SFT examples, or a preference chunk's pairs as two examples each (`examples.preference_arrays`)."""
-    from pipeline.data.examples import preference_arrays, sft_arrays
+    """SFT examples (prompt-completion rows: the completion), or a preference chunk's pairs as two examples each
+    (`examples.arrays_for`)."""
+    from pipeline.data.examples import arrays_for
 
-    build = preference_arrays if job.family == "preference" else sft_arrays
-    arrays, counts = build(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
+    arrays, counts = arrays_for(job.data_format)(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
     return arrays, {**counts, "tokens": int(arrays["lengths"].sum())}
 
 
