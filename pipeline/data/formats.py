@@ -12,7 +12,8 @@
   ShareGPT pairs (conversations, chosen/rejected {from, value}) and its Alpaca pairs (instruction, input?).
 
 `canonical` checks a row of a format and returns it in our form (a row already in it, as it is); `detect` names the
-format a row's fields show (`data.format: auto`), refusing a row that fits none or several."""
+format a row's fields show (`data.format: auto`), refusing a row that fits none or several; `is_empty` tells a row with
+no text (dropped and counted, not refused)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,26 @@ def canonical(row: dict, data_format: str, at: str) -> dict | str:
     if data_format == "preference":
         return _pair(row, at)
     raise ValueError(f"data.format: expected one of {', '.join(FORMATS)} or auto, got {data_format!r}")
+
+
+EMPTY = (None, "", [])
+TEXT_FIELDS = {  # per format, the fields holding a row's text: one of them null or empty leaves nothing to train on
+    "text": ("text",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+}
+
+
+def is_empty(row: dict, data_format: str) -> bool:
+    """Whether `row` holds no text (a field of TEXT_FIELDS, or a chat row's conversation, null or empty): such rows,
+    as spreadsheets and pandas export them, are dropped and counted rather than refusing the file. A row lacking a
+    field is malformed, not empty: `canonical` refuses it."""
+    if data_format == "chat":
+        fields = [field for field in ("messages", "conversations") if field in row]
+        return bool(fields) and all(row[field] in EMPTY for field in fields)
+    fields = TEXT_FIELDS.get(data_format, ())
+    return bool(fields) and all(f in row for f in fields) and any(row[f] in EMPTY for f in fields)
 
 
 def _missing(row: dict, fields: tuple[str, ...], data_format: str, at: str) -> None:

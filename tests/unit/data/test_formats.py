@@ -163,7 +163,9 @@ def test_a_broken_json_array_is_refused_with_element_and_line(tmp_path, content,
 
 def test_json_array_elements_across_blocks_are_read_whole(tmp_path, monkeypatch):
     """Elements longer than the block read at a time, and block edges inside strings, escapes and literals."""
-    rows = [{"instruction": f"q{i} " + "\u4e2d" * (i * 7), "output": 'a\\"' * i, "input": None} for i in range(60)]
+    rows = [
+        {"instruction": f"q{i} " + "\u4e2d" * (i * 7), "output": 'a\\"' * i + ".", "input": None} for i in range(60)
+    ]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows, indent=4), encoding="utf-8")
     for block in (1, 7, 64, 1 << 22):
