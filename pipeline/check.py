@@ -16,7 +16,7 @@ from pathlib import Path
 from pipeline.core import config
 from pipeline.data import truncation, verified
 from pipeline.data.formats import template_for
-from pipeline.data.inputs import data_files, detected_format, items, kind, resolved_format
+from pipeline.data.inputs import Dropped, data_files, detected_format, items, kind, resolved_format
 from pipeline.data.textio import verify
 from pipeline.model import hub
 
@@ -66,12 +66,15 @@ def is_produced(path: str, outputs: list[Path]) -> bool:
     return any(Path(path).resolve().is_relative_to(out.resolve()) for out in outputs)
 
 
-def check_file(key: str, path: str, data_format: str) -> None:
-    """`path` read as the stage that uses it will: text lines, or JSONL rows of the format's fields."""
+def check_file(key: str, path: str, data_format: str) -> str | None:
+    """`path` read as the stage that uses it will: text lines, or JSONL rows of the format's fields; the warning
+    naming the rows it drops for holding no text, if any."""
+    dropped = Dropped()
     try:
-        verify(path, data_format)
+        verify(path, data_format, dropped=dropped)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{key}: {err}") from None
+    return dropped.warning(key)
 
 
 def inputs(cfg: config.Config, data_format: str) -> list[tuple[str, str, str]]:
@@ -90,14 +93,14 @@ def data_findings(
     cfg: config.Config, *, source: Path, produced: list[Path], known: set[str], tokenizer_memo: Path | None
 ) -> tuple[list[str], list[str], set[str]]:
     """(errors, warnings, files found valid) about the data: its format, every input file read as its stage will
-    (those in `known` are unchanged since they were), then the first rows tokenized with the tokenizer of the base
-    at `source` where any input holds rows (`sample_findings`)."""
+    (those in `known` are unchanged since they were; rows with no text dropped, with a warning), then the first rows
+    tokenized with the tokenizer of the base at `source` where any input holds rows (`sample_findings`)."""
     from pipeline.data.tokenizer import model_tokenizer
 
     data_format, errors = format_errors(cfg)
     if data_format is None:
         return errors, [], set()
-    seen, row_sets = set(), {}
+    seen, row_sets, warned = set(), {}, {}
     for key, path, read_as in inputs(cfg, data_format):
         if is_produced(path, produced):
             continue
@@ -113,19 +116,26 @@ def data_findings(
         if (file := verified.identity(path, read_as)) in known | seen:
             seen.add(file)  # unchanged since it was read and found valid
             continue
+        if file in warned:  # read under another key: its dropped rows said once
+            continue
         try:
-            check_file(key, path, read_as)
-            seen.add(file)
+            warning = check_file(key, path, read_as)
         except ValueError as err:
             errors.append(str(err))
+            continue
+        if warning is None:
+            seen.add(file)
+        else:  # not remembered: the next check reads it again and says it again
+            warned[file] = warning
+    dropped = list(warned.values())
     if errors or (data_format == "text" and not row_sets):
-        return errors, [], seen
+        return errors, dropped, seen
     try:
         tokenizer = model_tokenizer(source, tokenizer_memo)
     except (ValueError, FileNotFoundError) as err:
-        return [f"model.path: {err}"], [], seen
+        return [f"model.path: {err}"], dropped, seen
     found, warnings = sample_findings(cfg, data_format, row_sets, tokenizer)
-    return found, warnings, seen
+    return found, dropped + warnings, seen
 
 
 def format_errors(cfg: config.Config) -> tuple[str | None, list[str]]:

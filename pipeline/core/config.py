@@ -54,12 +54,12 @@ class SourceConfig(Section):
     """One file of a weighted mix: its format and its share of the mixed tokens (weights are normalised)."""
 
     file: str
-    format: Literal["text", "alpaca", "chat"]
+    format: Literal["text", "alpaca", "chat", "prompt_completion"]
     weight: float = Field(gt=0.0)
 
 
 class DataConfig(Section):
-    format: Literal["text", "alpaca", "chat", "preference", "auto"]
+    format: Literal["text", "alpaca", "chat", "prompt_completion", "preference", "auto"]
     train_file: str
     sources: list[SourceConfig]
     heldout_file: str
@@ -83,14 +83,17 @@ class DataConfig(Section):
         if self.format == "preference" and self.sources:
             raise ValueError(
                 "data.sources: data.format=preference trains on data.train_file alone; weighted mixes take text or "
-                f"SFT (alpaca, chat) sources, got {len(self.sources)} source(s); expected data.sources=[]"
+                f"SFT (alpaca, chat, prompt_completion) sources, got {len(self.sources)} source(s); expected "
+                "data.sources=[]"
             )
         families = {source.format == "text" for source in self.sources}
         if self.format == "auto" and len(families) > 1:
-            raise ValueError("data.sources: a mix takes text sources or SFT (alpaca, chat) sources, not both")
+            raise ValueError(
+                "data.sources: a mix takes text sources or SFT (alpaca, chat, prompt_completion) sources, not both"
+            )
         for i, source in enumerate(self.sources):
             if self.format != "auto" and (source.format == "text") != (self.format == "text"):
-                kind = "text" if self.format == "text" else "alpaca or chat"
+                kind = "text" if self.format == "text" else "alpaca, chat or prompt_completion"
                 raise ValueError(
                     f"data.sources.{i}.format: data.format={self.format} mixes {kind} sources only, "
                     f"got {source.format!r} for {source.file}"
@@ -286,7 +289,8 @@ class Config(Section):
         if self.data.format != "auto" and (self.train.objective != "lm") != preference:  # auto: the check stage
             raise ValueError(
                 f"train.objective: {self.train.objective} with data.format={self.data.format}; expected lm on text, "
-                "alpaca or chat data, and dpo, orpo or simpo on data.format=preference (pairs of responses)"
+                "alpaca, chat or prompt_completion data, and dpo, orpo or simpo on data.format=preference (pairs of "
+                "responses)"
             )
         return self
 

@@ -2,10 +2,11 @@
 
 - `corpus`: the default's corpora built from PyPI packages.
 - `inputs`: data paths (a file, folder or glob of text, JSON, JSONL or Parquet, compressed or not) read an item at a
-  time; the format a path's first row shows (`data.format: auto`).
+  time (a leading byte order mark not text; rows with no text dropped, counted); the format a path's first row shows
+  (`data.format: auto`).
 - `json_array`: a JSON array of rows read an element at a time (a JSON object of objects a member at a time).
-- `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's and LLaMA-Factory's pairs) read
-  into ours, and detected from a row.
+- `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's prompt-completion rows, TRL's and
+  LLaMA-Factory's pairs) read into ours, and detected from a row.
 - `textio`: data paths read strictly (documents, rows, texts); the held-out part's boundary.
 - `eval_sets`: evaluation sets as the eval_set stages write them (the training data's held-out part, in our form).
 - `truncation`: how much data.max_seq_len cuts or drops, and the warning when it is more than a small share.

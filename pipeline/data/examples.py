@@ -26,6 +26,25 @@ def sft_arrays(tokenizer, rows: list[dict], *, template: str, max_seq_len: int) 
     return arrays, counts
 
 
+def completion_arrays(
+    tokenizer, rows: list[dict], *, template: str, max_seq_len: int
+) -> tuple[dict[str, np.ndarray], dict]:
+    """`sft_arrays` of prompt-completion rows (`completion_examples`): only the completion is trained, a
+    conversational prompt's assistant turns masked with the rest of it, as TRL's completion mask masks them."""
+    _need_chat_template(tokenizer, rows, "prompt_completion rows with a conversational 'prompt'")
+    examples = completion_examples(rows)
+    arrays, truncated, kept = _examples(
+        tokenizer, examples, template=template, max_seq_len=max_seq_len, final_reply_only=True
+    )
+    counts = {"examples": len(rows), "truncated_examples": int(truncated.sum()), "dropped_examples": int((~kept).sum())}
+    return arrays, counts
+
+
+def arrays_for(data_format: str):
+    """The builder of a format's examples: `preference_arrays`, `completion_arrays` or `sft_arrays`."""
+    return {"preference": preference_arrays, "prompt_completion": completion_arrays}.get(data_format, sft_arrays)
+
+
 SFT_ARRAYS = ("ids", "labels", "lengths")
 PAIR_COUNTS = ("pairs", "truncated_pairs", "dropped_pairs")
 PAIR_COLUMNS = ("input_ids", "labels", "rejected_input_ids", "rejected_labels")  # a preference row: chosen, rejected
@@ -38,10 +57,7 @@ def preference_arrays(
     rendered as SFT renders its row (`pair_examples`), every token before the response masked, cut at max_seq_len
     keeping its start. A pair is dropped when either side keeps no trained token, so that the sides travel together.
     The counts: pairs, truncated pairs (either side cut, dropped or not) and dropped pairs."""
-    if any(row.get("messages") is not None for row in rows) and not tokenizer.chat_template:
-        raise ValueError(
-            "data.format: preference rows with 'messages' need a tokenizer with a chat template; this one has none"
-        )
+    _need_chat_template(tokenizer, rows, "preference rows with 'messages'")
     arrays, truncated, kept = _examples(
         tokenizer, pair_examples(rows), template=template, max_seq_len=max_seq_len, final_reply_only=True
     )
@@ -57,18 +73,33 @@ def preference_arrays(
     return arrays, counts
 
 
+def _need_chat_template(tokenizer, rows: list[dict], what: str) -> None:
+    conversations = any(row.get("messages") is not None or isinstance(row.get("prompt"), list) for row in rows)
+    if conversations and not tokenizer.chat_template:
+        raise ValueError(f"data.format: {what} need a tokenizer with a chat template; this one has none")
+
+
+def response_example(prompt: str | list[dict], response: str) -> dict:
+    """The SFT row a prompt and its response train as: a string prompt is an alpaca row's instruction, a
+    conversation gets the response as its last assistant turn."""
+    if isinstance(prompt, list):
+        return {"messages": [*prompt, {"role": "assistant", "content": response}]}
+    return {"instruction": prompt, "output": response}
+
+
 def pair_examples(rows: list[dict]) -> list[dict]:
-    """Each preference pair as the two SFT rows it trains on, chosen then rejected: a `prompt` becomes an alpaca
-    row's instruction, `messages` a conversation whose last assistant turn is the response."""
+    """Each preference pair as the two SFT rows it trains on, chosen then rejected (`response_example`; `messages`
+    is the prompt where a row has them)."""
     examples = []
     for row in rows:
-        for side in ("chosen", "rejected"):
-            response = response_text(row[side])
-            if row.get("messages") is not None:
-                examples.append({"messages": [*row["messages"], {"role": "assistant", "content": response}]})
-            else:
-                examples.append({"instruction": row["prompt"], "output": response})
+        prompt = row["messages"] if row.get("messages") is not None else row["prompt"]
+        examples += [response_example(prompt, response_text(row[side])) for side in ("chosen", "rejected")]
     return examples
+
+
+def completion_examples(rows: list[dict]) -> list[dict]:
+    """Each prompt-completion row (`formats.canonical`'s form) as the SFT row it trains on (`response_example`)."""
+    return [response_example(row["prompt"], row["completion"]) for row in rows]
 
 
 def _examples(

@@ -4,23 +4,27 @@
 - alpaca: {instruction, input?, output} (Stanford Alpaca);
 - chat: {messages: [{role, content}, ...]} (OpenAI), or ShareGPT's {conversations: [{from, value}, ...], system?}
   (human/gpt/system, as LLaMA-Factory reads it), read as messages;
+- prompt_completion: TRL's SFT rows, a prompt (a string, or a message list) and its completion (a string, or one
+  assistant message), read as {prompt, completion: str}; only the completion is trained;
 - preference: a prompt (a string, or the conversation before the responses as `messages`) with a chosen and a rejected
   response (strings or assistant messages); also TRL's conversational rows (prompt, chosen and rejected as message
   lists), its implicit-prompt rows (chosen and rejected only: their shared beginning is the prompt), LLaMA-Factory's
   ShareGPT pairs (conversations, chosen/rejected {from, value}) and its Alpaca pairs (instruction, input?).
 
 `canonical` checks a row of a format and returns it in our form (a row already in it, as it is); `detect` names the
-format a row's fields show (`data.format: auto`), refusing a row that fits none or several."""
+format a row's fields show (`data.format: auto`), refusing a row that fits none or several; `is_empty` tells a row with
+no text (dropped and counted, not refused)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-FORMATS = ("text", "alpaca", "chat", "preference")
+FORMATS = ("text", "alpaca", "chat", "prompt_completion", "preference")
 SIGNATURES = (  # the fields that name a format (preference: chosen and rejected, whatever else a row has)
     ("chat", ("messages",)),
     ("chat", ("conversations",)),
     ("alpaca", ("instruction", "output")),
+    ("prompt_completion", ("prompt", "completion")),
     ("text", ("text",)),
 )
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -28,6 +32,7 @@ EXPECTED = {
     "text": "'text' (a string)",
     "alpaca": "'instruction' and 'output' (strings; 'input' optional)",
     "chat": "'messages' ([{role, content}, ...]) or ShareGPT's 'conversations' ([{from, value}, ...])",
+    "prompt_completion": "'prompt' and 'completion' (strings, or TRL's message lists)",
     "preference": "'chosen' and 'rejected' (with a 'prompt', 'messages' or 'conversations', or sharing their start)",
 }
 
@@ -67,9 +72,31 @@ def canonical(row: dict, data_format: str, at: str) -> dict | str:
         return _alpaca(row, at)
     if data_format == "chat":
         return _chat(row, at)
+    if data_format == "prompt_completion":
+        return _completion(row, at)
     if data_format == "preference":
         return _pair(row, at)
     raise ValueError(f"data.format: expected one of {', '.join(FORMATS)} or auto, got {data_format!r}")
+
+
+EMPTY = (None, "", [])
+TEXT_FIELDS = {  # per format, the fields holding a row's text: one of them null or empty leaves nothing to train on
+    "text": ("text",),
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+}
+
+
+def is_empty(row: dict, data_format: str) -> bool:
+    """Whether `row` holds no text (a field of TEXT_FIELDS, or a chat row's conversation, null or empty): such rows,
+    as spreadsheets and pandas export them, are dropped and counted rather than refusing the file. A row lacking a
+    field is malformed, not empty: `canonical` refuses it."""
+    if data_format == "chat":
+        fields = [field for field in ("messages", "conversations") if field in row]
+        return bool(fields) and all(row[field] in EMPTY for field in fields)
+    fields = TEXT_FIELDS.get(data_format, ())
+    return bool(fields) and all(f in row for f in fields) and any(row[f] in EMPTY for f in fields)
 
 
 def _missing(row: dict, fields: tuple[str, ...], data_format: str, at: str) -> None:
@@ -156,6 +183,18 @@ def _message(turn: object, field: str, at: str) -> dict:
         f'{at}: {field!r} must be a non-empty list of {{"role": str, "content": str}} (or ShareGPT\'s '
         f'{{"from": str, "value": str}}) objects, got {turn!r:.80}'
     )
+
+
+def _completion(row: dict, at: str) -> dict:
+    """A prompt-completion row (TRL's SFT form, standard or conversational) as {prompt: str | messages, completion:
+    str}: our form keeps the prompt where TRL puts it, so that its conversation stays untrained context."""
+    _missing(row, ("prompt", "completion"), "prompt_completion", at)
+    prompt = row["prompt"]
+    if isinstance(prompt, list):
+        prompt = _conversation(row, at, "prompt")
+    elif not isinstance(prompt, str):
+        raise ValueError(f"{at}: 'prompt' must be a string or a message list, got {type(prompt).__name__}")
+    return {"prompt": prompt, "completion": _response(row, "completion", at)}
 
 
 def _pair(row: dict, at: str) -> dict:

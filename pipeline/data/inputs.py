@@ -2,14 +2,17 @@
 each is plain text (one document per line), JSON (an array of rows, or one row per line: JSONL) or Parquet, each
 optionally compressed (.gz, .bz2, .zst). Read a line, a JSON array's element (or a Parquet batch) at a time, so that
 memory never holds a file; errors name the file and the line (or row, or element). Rows are read as their format
-(`formats.canonical`)."""
+(`formats.canonical`); a row with no text (`formats.is_empty`) is dropped, counted in a `Dropped`. A file's leading
+UTF-8 byte order mark (Windows editors, Excel's exports) is not part of its text."""
 
 from __future__ import annotations
 
+import codecs
 import glob
 import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,7 +21,11 @@ from pipeline.data import formats, json_array
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # any other suffix is plain text
 DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")
-COLUMNS = {"alpaca": ("instruction", "output"), "preference": ("chosen", "rejected")}  # a Parquet file must have
+COLUMNS = {  # a Parquet file must have
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("chosen", "rejected"),
+}
 PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
@@ -58,12 +65,17 @@ def kind(path: Path) -> str:
 
 
 def open_bytes(path: Path) -> io.BufferedReader:
-    """The file's bytes, decompressed as they are read where its suffix names a codec."""
+    """The file's bytes, decompressed as they are read where its suffix names a codec, after its leading UTF-8 byte
+    order mark if it has one."""
     if path.suffix not in CODECS:
-        return path.open("rb")
-    import pyarrow as pa
+        file = path.open("rb")
+    else:
+        import pyarrow as pa
 
-    return io.BufferedReader(pa.input_stream(str(path), compression=CODECS[path.suffix]), 1 << 20)
+        file = io.BufferedReader(pa.input_stream(str(path), compression=CODECS[path.suffix]), 1 << 20)
+    if file.peek(len(codecs.BOM_UTF8)).startswith(codecs.BOM_UTF8):
+        file.read(len(codecs.BOM_UTF8))
+    return file
 
 
 def estimated_items(spec: Path | str) -> int:
@@ -159,29 +171,81 @@ class Line(NamedTuple):
     text: str
 
 
-def items(spec: Path | str, data_format: str, *, deferred: bool = False) -> Iterator:
+class Empty(NamedTuple):
+    """A row with no text (`formats.is_empty`), named as errors name rows: dropped where it is read."""
+
+    at: str
+
+
+SHOWN = 5  # dropped rows named in a warning
+
+
+@dataclass
+class Dropped:
+    """The rows `items` dropped for holding no text: each one's position among the rows read (kept or not), and the
+    first SHOWN named."""
+
+    positions: list[int] = field(default_factory=list)
+    places: list[str] = field(default_factory=list)
+
+    def add(self, empty: Empty, position: int) -> None:
+        self.positions.append(position)
+        if len(self.places) < SHOWN:
+            self.places.append(empty.at)
+
+    def rows_for(self, kept: int) -> int:
+        """How many rows read hold the first `kept` kept ones: where a deferred stream (every row) is cut to them."""
+        rows = kept
+        for position in self.positions:
+            if position >= rows:
+                break
+            rows += 1
+        return rows
+
+    def warning(self, key: str) -> str | None:
+        """What the check says of them (None when there are none)."""
+        if not self.positions:
+            return None
+        more = ", ..." if len(self.positions) > len(self.places) else ""
+        return (
+            f"{key}: {len(self.positions)} row(s) with no text (null or empty, or an empty conversation) dropped: "
+            f"{', '.join(self.places)}{more}"
+        )
+
+
+def items(spec: Path | str, data_format: str, *, deferred: bool = False, dropped: Dropped | None = None) -> Iterator:
     """Every item of a data path in order: `text` documents (non-blank lines of a text file, else the "text" field of
-    JSON and Parquet rows), or rows of the format (alpaca, chat, preference) in our form (`formats.canonical`;
-    "jsonl": any object, as it is). With `deferred`, JSONL rows come as their `Line`, for `parsed` to read where the
-    work is done."""
+    JSON and Parquet rows), or rows of the format (alpaca, chat, prompt_completion, preference) in our form
+    (`formats.canonical`; "jsonl": any object, as it is); rows with no text left out, noted in `dropped`. With
+    `deferred`, every row read comes, JSONL rows as their `Line` for `parsed` to read where the work is done, and rows
+    with no text as their `Empty`."""
+    read = 0
     for path in data_files(spec):
-        yield from file_items(path, data_format, deferred=deferred)
+        for item in file_items(path, data_format, deferred=deferred):
+            if not isinstance(item, Empty) or deferred:
+                yield item
+            elif dropped is not None:
+                dropped.add(item, read)
+            read += 1
 
 
 def parsed(item, data_format: str):
-    """The item a deferred `Line` holds (checked as `items` checks it); any other item as it is."""
+    """The item a deferred `Line` holds (checked as `items` checks it; its `Empty` where it holds no text); any other
+    item as it is."""
     if not isinstance(item, Line):
         return item
     return row_item(_json_row(item.path, item.number, item.text), data_format, formats.where(item.path, item.number))
 
 
 def row_item(row: dict, data_format: str, at: str):
-    """A JSON or Parquet row as `data_format` reads it (named `at` in errors)."""
-    return row if data_format == "jsonl" else formats.canonical(row, data_format, at)
+    """A JSON or Parquet row as `data_format` reads it (named `at` in errors), or its `Empty`."""
+    if data_format == "jsonl":
+        return row
+    return Empty(at) if formats.is_empty(row, data_format) else formats.canonical(row, data_format, at)
 
 
 def file_items(path: Path, data_format: str, *, deferred: bool = False) -> Iterator:
-    """The items of one data file (see `items`)."""
+    """The items of one data file, a row with no text as its `Empty` (see `items`)."""
     if kind(path) == "parquet":
         yield from _parquet_items(path, data_format)
         return
@@ -239,7 +303,7 @@ def _parquet_items(path: Path, data_format: str) -> Iterator:
         for row in batch.to_pylist():
             number += 1
             item = row_item(row, data_format, formats.where(path, f"row {number}"))
-            if data_format != "text":
+            if data_format != "text" or isinstance(item, Empty):
                 yield item
             elif item.strip():
                 yield item.strip()

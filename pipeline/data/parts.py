@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.data.inputs import Line, parsed
+from pipeline.data.inputs import Empty, Line, parsed
 
 KEY_FILE = "key.json"
 
@@ -59,6 +59,8 @@ def _chars(item) -> int:
         return len(item)
     if isinstance(item, Line):
         return len(item.text)
+    if isinstance(item, Empty):
+        return 0
     messages = item.get("messages") or []
     texts = [v for v in item.values() if isinstance(v, str)] + [m["content"] for m in messages]
     # a preference pair's responses given as assistant messages
@@ -149,16 +151,18 @@ def _tokenizer(job: Job):
 
 
 def tokenize_part(folder: Path, index: int, chunk: list, job: Job | None = None) -> dict:
-    """Tokenize one chunk into part `index` (in a worker, with its tokenizer, or here with `job`'s)."""
+    """Tokenize one chunk into part `index` (in a worker, with its tokenizer, or here with `job`'s); its rows with no
+    text are dropped and counted."""
     if job is not None and _WORKER.get("job") != job:
         _WORKER.update(job=job, tokenizer=_tokenizer(job))
     job, tokenizer = _WORKER["job"], _WORKER["tokenizer"]
-    chunk = [parsed(item, job.data_format) for item in chunk]
+    found = [parsed(item, job.data_format) for item in chunk]
+    chunk = [item for item in found if not isinstance(item, Empty)]
     if job.family == "text":
         arrays, summary = _text_part(tokenizer, chunk)
     else:
         arrays, summary = _sft_part(tokenizer, chunk, job)
-    summary = {"index": index, "items": len(chunk), **summary}
+    summary = {"index": index, "items": len(chunk), "dropped_rows": len(found) - len(chunk), **summary}
     for name, array in arrays.items():
         tmp = array_path(folder, index, f"{name}.tmp")
         array.astype(np.int32).tofile(tmp)
@@ -177,11 +181,11 @@ def _text_part(tokenizer, documents: list[str]) -> tuple[dict[str, np.ndarray], 
 
 
 def _sft_part(tokenizer, rows: list[dict], job: Job) -> tuple[dict[str, np.ndarray], dict]:
-    """SFT examples, or a preference chunk's pairs as two examples each (`examples.preference_arrays`)."""
-    from pipeline.data.examples import preference_arrays, sft_arrays
+    """SFT examples (prompt-completion rows: the completion), or a preference chunk's pairs as two examples each
+    (`examples.arrays_for`)."""
+    from pipeline.data.examples import arrays_for
 
-    build = preference_arrays if job.family == "preference" else sft_arrays
-    arrays, counts = build(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
+    arrays, counts = arrays_for(job.data_format)(tokenizer, rows, template=job.template, max_seq_len=job.max_seq_len)
     return arrays, {**counts, "tokens": int(arrays["lengths"].sum())}
 
 
@@ -206,7 +210,7 @@ class Progress:
             self.tokens += summary["tokens"]
         seconds = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(f"{self.tokens / seconds:,.0f} tokens/s", refresh=False)
-        self.bar.update(summary["items"])
+        self.bar.update(summary["items"] + summary.get("dropped_rows", 0))
 
     def close(self) -> None:
         self.bar.close()

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
 from pipeline.data.examples import IGNORE_INDEX, PAIR_COLUMNS, PAIR_COUNTS, SFT_ARRAYS
-from pipeline.data.inputs import data_files, estimated_items, items
+from pipeline.data.inputs import Dropped, data_files, estimated_items, items
 from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
@@ -245,11 +245,14 @@ def tokenized(
 ) -> tuple[int, list[dict], float]:
     """Tokenize the items of data path `spec` (less the last `heldout_fraction` of them, when given: then counted
     first) into parts under `work`; (items, the parts' summaries, seconds). A bad line stops it with its file and
-    line; the check stage has read every input before (once: see `verified`)."""
+    line; the check stage has read every input before (once: see `verified`). Rows with no text are dropped by the
+    workers, so the items are cut after the rows that hold the kept ones the held-out boundary leaves for training:
+    the same items as `verify` counts and the eval_set stage holds out."""
     limit = None
     if heldout_fraction is not None:
-        total = verify(spec, job.data_format)
-        limit = total - held_out_count(total, heldout_fraction)
+        dropped = Dropped()
+        total = verify(spec, job.data_format, dropped=dropped)
+        limit = dropped.rows_for(total - held_out_count(total, heldout_fraction))
     parts.prepare(work, parts.key(job, inputs=data_files(spec), limit=limit, chunk_chars=chunk_chars))
     start = time.perf_counter()
     summaries = parts.tokenize(
@@ -317,9 +320,9 @@ def build(
     chunk_chars: int,
 ) -> dict:
     """Write the dataset of `train_file` (less its last `heldout_fraction` when given) into `out`; its figures:
-    documents, tokens, blocks, padded and dropped tokens (text), examples, truncated and dropped examples (SFT) or
-    pairs, truncated and dropped pairs (preference: a row is a pair), rows per split, the train split's masked
-    fraction (of the chosen side's labels for pairs), and tokens/s (per core)."""
+    documents, rows dropped for holding no text, tokens, blocks, padded and dropped tokens (text), examples,
+    truncated and dropped examples (SFT) or pairs, truncated and dropped pairs (preference: a row is a pair), rows per
+    split, the train split's masked fraction (of the chosen side's labels for pairs), and tokens/s (per core)."""
     p = packing
     job = parts.Job(str(tokenizer_dir), p.data_format, p.template, p.max_seq_len)
     count, summaries, seconds = tokenized(
@@ -327,6 +330,7 @@ def build(
     )
     indices = [s["index"] for s in summaries]
     figures: dict = {"documents": count, "tokens": sum(s["tokens"] for s in summaries)}
+    figures["dropped_rows"] = sum(s.get("dropped_rows", 0) for s in summaries)
     if job.family == "text" and p.packing == "documents":
         ids = Stream([parts.array_path(work, i, "ids") for i in indices])
         lengths = Stream([parts.array_path(work, i, "lengths") for i in indices])
@@ -386,6 +390,7 @@ def build_mix(
     mix = mixing.choose(lengths, shares, p.seed)
     ids = Mixed(streams, lengths, mix)
     figures: dict = {"documents": len(mix) if p.data_format == "text" else sum(counts), "tokens": len(ids)}
+    figures["dropped_rows"] = sum(s.get("dropped_rows", 0) for s in summaries)
     if p.data_format == "text":
         rows, shape = _blocks(ids, p, tokenizer_dir)
         figures |= shape

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from pipeline.data.inputs import data_files, file_items, items, kind
+from pipeline.data.inputs import Dropped, data_files, file_items, items, kind
 
 NAMES = ("role", "from")  # fields that name a message's speaker: not text
 
@@ -41,15 +41,16 @@ def _strings(value) -> Iterator[str]:
             yield from _strings(inner)
 
 
-def stream(spec: Path | str, data_format: str) -> Iterator:
-    """The items of a data path as its format reads (`texts` for "texts", else `inputs.items`)."""
-    return texts(spec) if data_format == "texts" else items(spec, data_format)
+def stream(spec: Path | str, data_format: str, *, dropped: Dropped | None = None) -> Iterator:
+    """The items of a data path as its format reads (`texts` for "texts", else `inputs.items`, rows with no text
+    noted in `dropped`)."""
+    return texts(spec) if data_format == "texts" else items(spec, data_format, dropped=dropped)
 
 
-def verify(spec: Path | str, data_format: str) -> int:
+def verify(spec: Path | str, data_format: str, *, dropped: Dropped | None = None) -> int:
     """`read_data`'s checks, with its errors, an item at a time (memory of one line, not of the file); how many
-    documents or rows the path holds."""
-    count = sum(1 for _ in stream(spec, data_format))
+    documents or rows the path holds, rows with no text left out (noted in `dropped`)."""
+    count = sum(1 for _ in stream(spec, data_format, dropped=dropped))
     if count == 0:
         raise ValueError(f"{spec}: data file is empty")
     return count

@@ -23,9 +23,9 @@ def counts_of(figures: dict) -> tuple[str, int, int, int] | None:
 def sample(tokenizer, rows: list[dict], *, data_format: str, template: str, max_seq_len: int) -> dict:
     """cache_dataset's counts for `rows` (examples or pairs, truncated, dropped), and `kept_whole_at`: the tokens
     that keep KEPT_WHOLE of them whole (a pair's longer side)."""
-    from pipeline.data.examples import preference_arrays, sft_arrays
+    from pipeline.data.examples import arrays_for
 
-    build = preference_arrays if data_format == "preference" else sft_arrays
+    build = arrays_for(data_format)
     _, counts = build(tokenizer, rows, template=template, max_seq_len=max_seq_len)
     arrays, _ = build(tokenizer, rows, template=template, max_seq_len=UNBOUNDED)
     lengths = arrays["lengths"]

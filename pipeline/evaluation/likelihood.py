@@ -65,14 +65,16 @@ def set_examples(
 ) -> list[Example]:
     """A set's examples from its items (read no further than `max_bytes` of scored text, at least one example):
     text documents scored whole; instruction rows (alpaca, chat) scored on their responses, the prompts being
-    context; preference pairs scored on the chosen response (the last reply), as `data.format` trains on them."""
+    context; prompt-completion rows on the completion, preference pairs on the chosen response (each the last
+    reply), as `data.format` trains on them."""
     if data_format == "text":
         return _documents(tokenizer, found, max_bytes)
-    if data_format == "preference":
-        from pipeline.data.examples import pair_examples
+    if data_format in ("preference", "prompt_completion"):
+        from pipeline.data.examples import completion_examples, pair_examples
 
-        chosen = (pair_examples([row])[0] for row in found)
-        return _rows(tokenizer, chosen, template=template, max_bytes=max_bytes, final_reply_only=True)
+        examples = pair_examples if data_format == "preference" else completion_examples
+        last = (examples([row])[0] for row in found)
+        return _rows(tokenizer, last, template=template, max_bytes=max_bytes, final_reply_only=True)
     return _rows(tokenizer, found, template=template, max_bytes=max_bytes, final_reply_only=False)
 
 

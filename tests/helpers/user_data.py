@@ -1,8 +1,9 @@
 """Data files as users have them, written the way each ecosystem defines its format (not the way our code reads):
 Stanford Alpaca's `alpaca_data.json` (an indented JSON array, non-ASCII escaped), OpenAI's fine-tuning `messages`
 JSONL (with a system turn), LLaMA-Factory's ShareGPT (`conversations` of `from`/`value` turns, human/gpt, an optional
-`system`) and its ShareGPT pairs, TRL's preference rows (standard and conversational, with an explicit or an implicit
-prompt), plain text; each in any container (JSON array, JSONL, Parquet, compressed, a folder of shards)."""
+`system`) and its ShareGPT pairs, TRL's prompt-completion rows for SFT and its preference rows (standard and
+conversational, with an explicit or an implicit prompt), plain text; each in any container (JSON array, JSONL,
+Parquet, compressed, a folder of shards)."""
 
 from __future__ import annotations
 
@@ -55,6 +56,27 @@ def sharegpt(texts: list[str]) -> list[dict]:
                 {"from": "gpt", "value": b},
             ],
             "system": SYSTEM,
+        }
+        for q, a, b in answers(texts)
+    ]
+
+
+def trl_prompt_completion(texts: list[str]) -> list[dict]:
+    """TRL's standard prompt-completion rows (SFT: the loss on the completion only)."""
+    return [{"prompt": q, "completion": a} for q, a, _ in answers(texts)]
+
+
+def trl_conversational_prompt_completion(texts: list[str]) -> list[dict]:
+    """TRL's conversational prompt-completion rows: the prompt a conversation (two rounds here, its assistant turn
+    context), the completion one assistant message."""
+    return [
+        {
+            "prompt": [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": b},
+                {"role": "user", "content": "Again, please."},
+            ],
+            "completion": [{"role": "assistant", "content": a}],
         }
         for q, a, b in answers(texts)
     ]
@@ -114,6 +136,8 @@ FORMATS = {  # name -> (how the rows are made, the data.format they are)
     "stanford_alpaca": (stanford_alpaca, "alpaca"),
     "openai_messages": (openai_messages, "chat"),
     "sharegpt": (sharegpt, "chat"),
+    "trl_prompt_completion": (trl_prompt_completion, "prompt_completion"),
+    "trl_conversational_prompt_completion": (trl_conversational_prompt_completion, "prompt_completion"),
     "trl_standard": (trl_standard, "preference"),
     "trl_conversational": (trl_conversational, "preference"),
     "trl_implicit": (trl_implicit, "preference"),

@@ -47,7 +47,10 @@ def _defaults() -> dict:
         (lambda r: r["deepspeed"].update(offload_param=True), "deepspeed.offload_param: needs deepspeed.stage=3"),
         (lambda r: r["eval"].update(stride=1024), "eval.stride: must be <= eval.context"),
         (lambda r: r["data"].update(prompt_template="Q: {question}"), "data.prompt_template: expected"),
-        (lambda r: r["data"].update(format="yaml"), "data.format: input should be 'text', 'alpaca', 'chat', 'pref"),
+        (
+            lambda r: r["data"].update(format="yaml"),
+            "data.format: input should be 'text', 'alpaca', 'chat', 'prompt_completion', 'pref",
+        ),
         (lambda r: r["launcher"].update(num_nodes=2), "launcher.num_nodes: 2 with launcher=local (this node alone)"),
         (lambda r: r["launcher"].update(mode="manual", num_nodes=2), "launcher.master_port: launcher=manual needs a "),
         (lambda r: r["tokenizer"].pop("vocab_size"), "missing key 'tokenizer.vocab_size'"),

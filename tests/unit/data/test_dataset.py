@@ -1,4 +1,5 @@
-"""Packing loses and duplicates no token; SFT labels are masked exactly on prompt tokens; bad data is named."""
+"""Packing loses and duplicates no token; SFT labels are masked exactly on prompt tokens (a prompt-completion row's
+whole prompt); bad data is named."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.data.encoding import tokenize_documents
-from pipeline.data.examples import IGNORE_INDEX
+from pipeline.data.examples import IGNORE_INDEX, completion_arrays, sft_arrays
+from pipeline.data.inputs import detected_format, items
 from pipeline.data.saved_splits import SplitRows, split_indices
 from pipeline.data.textio import read_data, read_documents
 from pipeline.data.tokenizer import load_tokenizer
@@ -126,6 +128,78 @@ def test_chat_masks_everything_but_assistant_turns(smol):
     full = smol.apply_chat_template(conversation["messages"], tokenize=False)
     assert smol.decode(inputs[0]) == full
     assert "Tell me a joke." in smol.decode(_prompt(smol, inputs[0], labels[0]))
+
+
+def _split(arrays: dict) -> list[tuple[list[int], list[int]]]:
+    bounds = np.cumsum(arrays["lengths"])[:-1]
+    ids, labels = (np.split(arrays[name], bounds) for name in ("ids", "labels"))
+    return [(a.tolist(), b.tolist()) for a, b in zip(ids, labels, strict=True)]
+
+
+TRL_STANDARD = [  # TRL's SFT prompt-completion rows, as its docs write them
+    {"prompt": "The sky is", "completion": " blue."},
+    {"prompt": "判断情感：这本书很好看。", "completion": "正面"},
+]
+TRL_CONVERSATIONAL = [
+    {
+        "prompt": [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi, how can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+        "completion": [{"role": "assistant", "content": "Why did the chicken cross the road?"}],
+    }
+]
+
+
+def _trl_file(tmp_path, rows: list[dict]):
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("template", ["alpaca", "{instruction}", "chat"])
+def test_prompt_completion_trains_the_completion_alone(smol, tmp_path, template):
+    """TRL's standard rows, found by data.format=auto: each is an alpaca row whose instruction is the prompt (the same
+    tokens and labels, under any template), every prompt token masked, the completion and what ends it trained; with
+    the template '{instruction}' the text is TRL's own, the prompt then the completion."""
+    path = _trl_file(tmp_path, TRL_STANDARD)
+    assert detected_format(path) == "prompt_completion"
+    rows = list(items(path, "prompt_completion"))
+    arrays, counts = completion_arrays(smol, rows, template=template, max_seq_len=512)
+    assert counts == {"examples": 2, "truncated_examples": 0, "dropped_examples": 0}
+    alpaca = [{"instruction": row["prompt"], "output": row["completion"]} for row in TRL_STANDARD]
+    same, _ = sft_arrays(smol, alpaca, template=template, max_seq_len=512)
+    for name in ("ids", "labels", "lengths"):
+        np.testing.assert_array_equal(arrays[name], same[name])
+    end = "<|im_end|>\n" if template == "chat" else smol.eos_token
+    for row, (ids, labels) in zip(TRL_STANDARD, _split(arrays), strict=True):
+        assert _trained(smol, ids, labels) == row["completion"] + end
+        first = next(i for i, t in enumerate(labels) if t != IGNORE_INDEX)
+        assert all(t != IGNORE_INDEX for t in labels[first:]), "the completion is trained whole"
+        if template == "{instruction}":
+            assert smol.decode(ids) == row["prompt"] + row["completion"] + smol.eos_token
+
+
+def test_conversational_prompt_completion_trains_the_completion_alone(smol, tmp_path):
+    """TRL's conversational rows through the chat template: the tokens are the whole conversation's rendering, and
+    only the completion (with its end of turn) is trained: the prompt's assistant turn is context, as TRL's
+    completion mask has it (data.format=chat would train it); evaluate scores the same tokens."""
+    from pipeline.evaluation.likelihood import set_examples
+
+    path = _trl_file(tmp_path, TRL_CONVERSATIONAL)
+    assert detected_format(path) == "prompt_completion"
+    rows = list(items(path, "prompt_completion"))
+    arrays, _ = completion_arrays(smol, rows, template="alpaca", max_seq_len=512)
+    ((ids, labels),) = _split(arrays)
+    conversation = TRL_CONVERSATIONAL[0]["prompt"] + TRL_CONVERSATIONAL[0]["completion"]
+    assert smol.decode(ids) == smol.apply_chat_template(conversation, tokenize=False)
+    assert _trained(smol, ids, labels) == "Why did the chicken cross the road?<|im_end|>\n"
+    assert "Hi, how can I help?" in smol.decode(_prompt(smol, ids, labels))
+    _, chat_labels, _ = build_sft(smol, [{"messages": conversation}], template="chat", max_seq_len=512)
+    assert _trained(smol, ids, chat_labels[0]).startswith("Hi, how can I help?"), "chat trains every reply"
+    (scored,) = set_examples(smol, rows, data_format="prompt_completion", template="alpaca", max_bytes=None)
+    assert smol.decode([t for t, s in zip(scored.ids, scored.scored, strict=True) if s]) == _trained(smol, ids, labels)
 
 
 def test_instruction_tables_and_masked_fraction(smol):

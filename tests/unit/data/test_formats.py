@@ -78,6 +78,24 @@ def test_rows_read_as_their_ecosystem_means_them(texts):
     }
 
 
+def test_trl_prompt_completion_rows_read_as_their_prompt_and_completion(texts):
+    """TRL's SFT rows: a prompt (a string, or the conversation so far) and the completion that follows it, read as
+    {prompt, completion: str} (a conversational completion's content); our form reads back as itself, and a row with
+    chosen and rejected stays a preference pair whatever else it holds."""
+    at = "f:1"
+    for row in user_data.trl_prompt_completion(texts):
+        assert formats.detect(row, at) == "prompt_completion"
+        assert formats.canonical(row, "prompt_completion", at) == row
+    for row in user_data.trl_conversational_prompt_completion(texts):
+        assert formats.detect(row, at) == "prompt_completion"
+        ours = formats.canonical(row, "prompt_completion", at)
+        assert ours == {"prompt": row["prompt"], "completion": row["completion"][0]["content"]}
+        assert formats.canonical(ours, "prompt_completion", at) == ours
+    pair = {"prompt": "The sky is", "completion": " blue.", "chosen": " blue.", "rejected": " green."}
+    assert formats.detect(pair, at) == "preference"
+    assert formats.canonical(pair, "preference", at) == pair
+
+
 @pytest.mark.parametrize(
     ("row", "data_format", "message"),
     [
@@ -94,6 +112,16 @@ def test_rows_read_as_their_ecosystem_means_them(texts):
             r"'chosen' and 'rejected' share no first message and there is no 'prompt'",
         ),
         ({"chosen": "x", "rejected": ["y"]}, "preference", r"two strings or two message lists \(TRL's implicit"),
+        ({"prompt": "p", "completion": "c", "text": "t"}, "auto", r"fits prompt_completion and text"),
+        ({"prompt": "p"}, "prompt_completion", r"f:7: missing field\(s\) 'completion'; data.format=prompt_completion"),
+        ({"prompt": 3, "completion": "c"}, "prompt_completion", r"f:7: 'prompt' must be a string or a message list"),
+        ({"prompt": "p", "completion": ["a", "b"]}, "prompt_completion", r"'completion' must be a string or one"),
+        (
+            {"prompt": "p", "completion": [{"role": "user", "content": "c"}]},
+            "prompt_completion",
+            r"'completion' must be a string or one assistant message",
+        ),
+        ({"prompt": [{"speaker": "u"}], "completion": "c"}, "prompt_completion", r"'prompt' must be a non-empty list"),
     ],
 )
 def test_a_row_that_fits_no_format_is_refused_naming_it(row, data_format, message):
@@ -106,8 +134,8 @@ def test_a_row_that_fits_no_format_is_refused_naming_it(row, data_format, messag
 
 def test_auto_refuses_a_file_it_cannot_read_with_the_row(tmp_path):
     path = tmp_path / "rows.jsonl"
-    path.write_text('\n{"prompt": "p", "completion": "c"}\n', encoding="utf-8")
-    with pytest.raises(ValueError, match=r"rows.jsonl:2: data.format=auto cannot tell .* \['completion', 'prompt'\]"):
+    path.write_text('\n{"question": "q", "answer": "a"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: data.format=auto cannot tell .* \['answer', 'question'\]"):
         detected_format(path)
     (tmp_path / "notes.txt").write_text('{"text": "a"}\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"notes.txt:1: a JSON object with 'text' in a plain text file"):
@@ -135,7 +163,9 @@ def test_a_broken_json_array_is_refused_with_element_and_line(tmp_path, content,
 
 def test_json_array_elements_across_blocks_are_read_whole(tmp_path, monkeypatch):
     """Elements longer than the block read at a time, and block edges inside strings, escapes and literals."""
-    rows = [{"instruction": f"q{i} " + "\u4e2d" * (i * 7), "output": 'a\\"' * i, "input": None} for i in range(60)]
+    rows = [
+        {"instruction": f"q{i} " + "\u4e2d" * (i * 7), "output": 'a\\"' * i + ".", "input": None} for i in range(60)
+    ]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows, indent=4), encoding="utf-8")
     for block in (1, 7, 64, 1 << 22):

@@ -1,6 +1,6 @@
 """The streamed cache_dataset (`streamed.build`) writes the bytes the in-memory builders write (save_to_disk's
 layout), for any chunk size and number of workers, from every form of input users have (folders, globs, JSONL,
-Parquet, compressed), and it resumes from the parts a killed run finished."""
+Parquet, compressed; rows with no text among them), and it resumes from the parts a killed run finished."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,10 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.check import check_file
 from pipeline.core import config
 from pipeline.data import streamed
 from pipeline.data.assembly import Packing
+from pipeline.data.inputs import items
 from pipeline.data.mixing import Source
+from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import load_tokenizer
 from tests.conftest import REPO
 from tests.helpers.datasets import build_instruction, build_pretraining, mix_instruction, mix_text, save_splits
@@ -149,6 +153,33 @@ def test_folders_globs_jsonl_parquet_and_compression_read_as_one_plain_file(
         out, figures = stream(tmp_path, smol_tokenizer_dir, spec, packing(), name=f"s{len(str(spec))}")
         assert figures["documents"] == 240
         assert folder_bytes(out) == folder_bytes(reference)
+
+
+@pytest.mark.parametrize(("workers", "chunk_chars"), [(1, 10**9), (2, 200)])
+def test_rows_with_no_text_change_nothing_but_the_counts(tmp_path, smol_tokenizer_dir, workers, chunk_chars):
+    """Rows with no text, wherever they lie (a chunk's edge, either side of the held-out boundary), are dropped: the
+    dataset is the bytes of the file without them, the training part ends where eval_set's held-out part starts
+    (both of the rows the check counts), and the dropped rows of the training part are counted."""
+    good = [{"prompt": f"Question {i}: what follows {i}?", "completion": f" {i + 1}."} for i in range(40)]
+    empty = {"prompt": "Nothing to learn", "completion": None}
+    dirty = [*good[:3], empty, *good[3:36], empty, empty, *good[36:], empty]  # 36 trained, 4 held out
+    for name, rows in (("clean", good), ("dirty", dirty)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    path = tmp_path / "dirty.jsonl"
+    warning = check_file("data.train_file", str(path), "prompt_completion")
+    assert warning.startswith("data.train_file: 4 row(s) with no text") and f"{path}:4, {path}:38" in warning
+    count = verify(path, "prompt_completion")
+    held_out = list(islice(items(path, "prompt_completion"), count - held_out_count(count, 0.1), None))  # eval_set
+    assert (count, held_out) == (40, good[36:])
+    pack = packing("prompt_completion")
+    built = {}
+    for name in ("clean", "dirty"):
+        built[name] = stream(tmp_path, smol_tokenizer_dir, tmp_path / f"{name}.jsonl", pack, workers=workers,
+                             chunk_chars=chunk_chars, heldout=0.1, name=name)  # fmt: skip
+    assert folder_bytes(built["dirty"][0]) == folder_bytes(built["clean"][0])
+    (_, clean), (_, figures) = built["clean"], built["dirty"]
+    assert figures["documents"] == clean["documents"] == 36 and figures["examples"] == 36
+    assert (figures["dropped_rows"], clean["dropped_rows"]) == (1, 0)
 
 
 def test_bad_rows_are_named_and_nothing_is_written(tmp_path, smol, smol_tokenizer_dir):

@@ -1,0 +1,151 @@
+"""Input files as Windows editors, spreadsheets and pandas write them: a file's leading UTF-8 byte order mark is not
+text (and nothing else of the text changes), and a row with no text (null or empty, an empty conversation) is dropped,
+counted and named in the check's warning, not a reason to refuse the file; a malformed row is still refused with its
+file and line. Read through the functions the check and the stages call."""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.check import check, check_file
+from pipeline.core import config
+from pipeline.data.inputs import Dropped, detected_format, items
+from pipeline.data.textio import verify
+from tests.conftest import REPO
+
+BOM = codecs.BOM_UTF8
+ALPACA = [
+    {"instruction": "Give three tips for staying healthy.", "input": "", "output": "1. Eat a balanced diet."},
+    {"instruction": "What is the capital of France?", "output": "Paris."},
+]
+
+
+def _jsonl(rows: list) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "data_format"),
+    [
+        ("notes.txt", "中国人民站起来了。\n The second line. \n", "text"),
+        ("rows.jsonl", _jsonl(ALPACA), "alpaca"),
+        ("rows.json", json.dumps(ALPACA, indent=4), "alpaca"),  # an indented array, as alpaca_data.json
+        ("rows.jsonl.gz", _jsonl(ALPACA), "alpaca"),  # the mark inside the compressed stream
+    ],
+)
+def test_a_leading_byte_order_mark_is_not_text(tmp_path, name, content, data_format):
+    plain, marked = tmp_path / "plain" / name, tmp_path / "marked" / name
+    for path, data in ((plain, content.encode()), (marked, BOM + content.encode())):
+        path.parent.mkdir()
+        path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    assert detected_format(marked) == data_format
+    assert list(items(marked, data_format)) == list(items(plain, data_format))
+    assert list(items(marked, data_format, deferred=True))[-1:] != []  # the stage's reading starts as well
+    assert verify(marked, data_format) == verify(plain, data_format) == 2
+    assert check_file("data.train_file", str(marked), data_format) is None
+    if data_format == "text":
+        assert list(items(marked, "text"))[0] == "中国人民站起来了。"
+
+
+def test_only_the_file_s_leading_mark_is_dropped(tmp_path):
+    """A mark past the file's start is the text's own (U+FEFF in a document), or a JSONL line that is not JSON."""
+    (tmp_path / "notes.txt").write_bytes(BOM + b"first\n" + BOM + b"second\n")
+    assert list(items(tmp_path / "notes.txt", "text")) == ["first", "\ufeffsecond"]
+    (tmp_path / "rows.jsonl").write_bytes(BOM + _jsonl(ALPACA[:1]).encode() + BOM + _jsonl(ALPACA[1:]).encode())
+    with pytest.raises(ValueError, match=r"rows.jsonl:2: invalid JSON \(Unexpected UTF-8 BOM"):
+        check_file("data.train_file", str(tmp_path / "rows.jsonl"), "alpaca")
+
+
+EMPTY_ROWS = [  # (format, a row of it with no text)
+    ("text", {"text": None}),
+    ("text", {"text": ""}),
+    ("alpaca", {"instruction": "Summarise.", "input": "", "output": None}),
+    ("alpaca", {"instruction": "Summarise.", "output": ""}),
+    ("alpaca", {"instruction": None, "output": "Paris."}),
+    ("chat", {"messages": []}),
+    ("chat", {"messages": None, "conversations": []}),
+    ("prompt_completion", {"prompt": "The sky is", "completion": ""}),
+    ("prompt_completion", {"prompt": [], "completion": [{"role": "assistant", "content": "Blue."}]}),
+    ("preference", {"prompt": "The sky is", "chosen": None, "rejected": " green."}),
+]
+GOOD = {
+    "text": {"text": "A document."},
+    "alpaca": ALPACA[1],
+    "chat": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+    "prompt_completion": {"prompt": "The sky is", "completion": " blue."},
+    "preference": {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+}
+
+
+@pytest.mark.parametrize(("data_format", "empty"), EMPTY_ROWS)
+def test_a_row_with_no_text_is_dropped_counted_and_named(tmp_path, data_format, empty):
+    path = tmp_path / "rows.jsonl"
+    good = GOOD[data_format]
+    path.write_text(_jsonl([good, empty, good, empty]), encoding="utf-8")
+    assert detected_format(path) == data_format
+    dropped = Dropped()
+    assert list(items(path, data_format, dropped=dropped)) == list(items(path, data_format))[:2]
+    assert len(list(items(path, data_format))) == verify(path, data_format) == 2
+    assert dropped.positions == [1, 3]
+    assert check_file("data.train_file", str(path), data_format) == (
+        f"data.train_file: 2 row(s) with no text (null or empty, or an empty conversation) dropped: {path}:2, {path}:4"
+    )
+
+
+def test_the_warning_names_the_first_rows_in_every_container(tmp_path):
+    rows = [ALPACA[1], *[{"instruction": "Summarise.", "output": None}] * 7]
+    (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    assert check_file("data.train_file", str(tmp_path / "rows.json"), "alpaca") == (
+        "data.train_file: 7 row(s) with no text (null or empty, or an empty conversation) dropped: "
+        + ", ".join(f"{tmp_path / 'rows.json'}:element {n} (line {2 + 4 * (n - 1)})" for n in range(2, 7))
+        + ", ..."
+    )
+    pq.write_table(pa.Table.from_pylist([ALPACA[1], {"instruction": "Summarise.", "output": ""}]), tmp_path / "r.pq")
+    (tmp_path / "rows.parquet").write_bytes((tmp_path / "r.pq").read_bytes())
+    warning = check_file("data.train_file", str(tmp_path / "rows.parquet"), "alpaca")
+    assert warning.endswith(f"dropped: {tmp_path / 'rows.parquet'}:row 2")
+
+
+@pytest.mark.parametrize(
+    ("data_format", "bad", "message"),
+    [
+        ("text", {"text": 5}, r"rows.jsonl:3: 'text' must be a string, got int"),
+        ("alpaca", {"instruction": "Summarise."}, r"rows.jsonl:3: missing field\(s\) 'output'"),
+        ("alpaca", {"instruction": "Summarise.", "output": ["a"]}, r"rows.jsonl:3: 'output' must be a string"),
+        ("chat", {"messages": [{"role": "user"}]}, r"rows.jsonl:3: 'messages' must be a non-empty list of"),
+        ("prompt_completion", {"completion": "c"}, r"rows.jsonl:3: missing field\(s\) 'prompt'"),
+        ("preference", {"prompt": "p", "chosen": "a"}, r"rows.jsonl:3: missing field\(s\) 'rejected'"),
+    ],
+)
+def test_a_malformed_row_is_still_refused_with_file_and_line(tmp_path, data_format, bad, message):
+    """Beside a row with no text (dropped), a malformed one still refuses the file."""
+    path = tmp_path / "rows.jsonl"
+    empty = next(row for name, row in EMPTY_ROWS if name == data_format)
+    path.write_text(_jsonl([GOOD[data_format], empty, bad]), encoding="utf-8")
+    with pytest.raises(ValueError, match=f"data.train_file: .*{message}"):
+        check_file("data.train_file", str(path), data_format)
+
+
+def test_check_warns_of_the_dropped_rows_once(tmp_path, tiny_base_dir):
+    """`check` (the check stage's call) reads data=own's file under three keys (training data, held-out part,
+    in-domain set) and warns once; the file is not remembered as verified, so the next check warns again."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_jsonl([*ALPACA * 10, {"instruction": "Summarise.", "output": None}, *ALPACA]), encoding="utf-8")
+    overrides = [f"model.path={tiny_base_dir}", "launcher.accelerator=cpu", "tracking.uri="]
+    overrides += ["data=own", f"data.train_file={path}", "data.max_seq_len=256"]
+    cfg = config.Config(**config.compose(REPO / "conf", overrides))
+    defaults = config.validate(config.compose(REPO / "conf"), "conf/")
+    produced = [REPO / "data" / "corpus"]  # the default's en_wiki set, which prepare_corpus writes
+    found = check(cfg, defaults=defaults, produced=produced, known=set(), tokenizer_memo=None)
+    assert found.errors == []
+    dropped = [w for w in found.warnings if "with no text" in w]
+    assert dropped == [
+        f"data.train_file: 1 row(s) with no text (null or empty, or an empty conversation) dropped: {path}:21"
+    ]
+    assert not any(str(path) in identity for identity in found.verified)
