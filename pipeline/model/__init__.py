@@ -1,5 +1,7 @@
 """The base model and the LoRA model built on it:
 
+- `hub`: a base named by its hub id, through huggingface_hub's cache and download, pinned to the commit the check
+  recorded.
 - `base_import`: a GGUF file or an HF folder -> one plain HF safetensors folder, checked to compute the same logits.
 - `base_tokenizer`: the base's tokenizer and context length alone, read without torch or the weights (the data
   stages' view of the base).

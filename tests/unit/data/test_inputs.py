@@ -142,7 +142,7 @@ def test_check_warns_of_the_dropped_rows_once(tmp_path, tiny_base_dir):
     cfg = config.Config(**config.compose(REPO / "conf", overrides))
     defaults = config.validate(config.compose(REPO / "conf"), "conf/")
     produced = [REPO / "data" / "corpus"]  # the default's en_wiki set, which prepare_corpus writes
-    found = check(cfg, defaults=defaults, produced=produced, known=set(), tokenizer_memo=None)
+    found = check(cfg, defaults=defaults, produced=produced, known=set(), tokenizer_memo=None, pinned={})
     assert found.errors == []
     dropped = [w for w in found.warnings if "with no text" in w]
     assert dropped == [
