@@ -94,6 +94,7 @@ def test_the_base_stages_name_a_missing_model_and_mark_the_run_failed(tmp_path, 
     done = _run_stage(
         tmp_path, stage, [f"model.path={tmp_path / 'nope'}", f"tracking.uri={store}"], "--out", str(out),
         other[0], str(tmp_path / other[1]), "--metrics", str(tmp_path / "base.json"),
+        "--checked", str(tmp_path / "checked.json"),
     )  # fmt: skip
     _assert_clean_failure(done, "model.path:", out)
     assert not (tmp_path / other[1]).exists()
