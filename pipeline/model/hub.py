@@ -15,6 +15,7 @@ from pipeline.core import assets
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name, as the Hub spells repository ids
 DESCRIBING = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt"]  # config, generation config, tokenizer files
 WEIGHTS = ["*.safetensors"]
+PICKLED = ["pytorch_model*.bin"]  # older checkpoints without safetensors: read by the checkpoint loader, weights only
 SKIPPED = ["original/*", "consolidated*"]  # the same weights again in the authors' own layout (Llama, Mistral)
 
 
@@ -25,12 +26,19 @@ def is_hub_id(path: str) -> bool:
 
 def snapshot(repo_id: str, *, revision: str, weights: bool) -> Path:
     """The cached snapshot folder of `repo_id` at `revision` (its name is the commit), fetched where the Hub is
-    reachable; `weights`: the safetensors too (else only what describes the model). A revision neither reachable
-    nor cached is refused naming model.path and the cache looked in."""
+    reachable; `weights`: the safetensors too, or the PyTorch pickles where the repository has no safetensors (else
+    only what describes the model). A revision neither reachable nor cached is refused naming model.path and the
+    cache looked in."""
+    folder = _fetched(repo_id, revision=revision, patterns=DESCRIBING + (WEIGHTS if weights else []))
+    if weights and not any(folder.glob("*.safetensors")):
+        folder = _fetched(repo_id, revision=revision, patterns=PICKLED)
+    return folder
+
+
+def _fetched(repo_id: str, *, revision: str, patterns: list[str]) -> Path:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = DESCRIBING + (WEIGHTS if weights else [])
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=SKIPPED))
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:

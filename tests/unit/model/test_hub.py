@@ -87,6 +87,40 @@ def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(
     assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
 
 
+def test_a_repository_of_pytorch_pickles_imports_from_its_pickles(
+    hub_cache, architecture_dirs, smol_tokenizer_dir, tmp_path
+):
+    """A repository with `pytorch_model.bin` and no safetensors (older checkpoints): the stages fetch the pickles
+    and import them (read by the checkpoint loader, weights only) equal to the model saved."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.model.base_import import import_base
+    from pipeline.model.hub import base_source
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(architecture_dirs["qwen3"], pickled)
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    add_snapshot(hub_cache, repo_id=REPO_ID, folder=pickled, commit=FIRST)
+    checked = tmp_path / "checked.json"
+    checked.write_text(json.dumps({"model": {"hub_id": REPO_ID, "commit": FIRST}}))
+    source = base_source(REPO_ID, checked=checked, weights=True)
+    import_base(
+        source=source,
+        out_dir=tmp_path / "base",
+        tokenizer_dir=smol_tokenizer_dir,
+        dtype="float32",
+        max_shard_size="2GB",
+    )
+    imported = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(architecture_dirs["qwen3"], dtype=torch.float32).state_dict()
+    assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
+
+
 def test_a_moving_main_stays_at_the_commit_first_seen_until_a_revision_is_named(hub_cache, architecture_dirs):
     add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["qwen3"], commit=FIRST)
     add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["qwen3"], commit=SECOND)  # refs/main now
