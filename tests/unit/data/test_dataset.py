@@ -555,3 +555,23 @@ def test_tool_calls_with_a_template_that_cannot_render_them_are_refused_naming_t
     rows = list(items(path, "chat"))
     with pytest.raises(ValueError, match=r"tools.jsonl:2: a conversation with tool calls .* never reads 'tool_calls'"):
         sft_arrays(smol, rows, template="chat", max_seq_len=1024)
+
+
+def test_the_check_refuses_tool_calls_the_base_cannot_render_naming_the_row(tiny_base_dir, tmp_path):
+    """The check stage, before anything runs: the base's (SmolLM2's) chat template never reads tool_calls, so a file
+    whose second row calls a tool is refused with that row's file and line and the reason."""
+    from pipeline.check import check
+    from pipeline.core import config
+    from tests.conftest import REPO
+
+    rows = [OPENAI_WEIGHTED, OPENAI_TOOLS] * 8
+    path = _rows_file(tmp_path, "tools.jsonl", rows)
+    chosen = ["experiment=tiny", "data=own", f"data.train_file={path}", f"model.path={tiny_base_dir}"]
+    cfg = config.Config(**config.compose(REPO / "conf", [*chosen, "launcher.accelerator=cpu"]))
+    defaults = config.Config(**config.compose(REPO / "conf", []))
+    corpus = [Path("data")]  # the default corpora, which prepare_corpus writes
+    found = check(cfg, defaults=defaults, produced=corpus, known=set(), tokenizer_memo=None, pinned={})
+    assert any(
+        e.startswith(f"data.train_file: {path}:2: a conversation with tool calls") and "never reads 'tool_calls'" in e
+        for e in found.errors
+    ), found.errors
