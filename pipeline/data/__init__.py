@@ -5,15 +5,17 @@
   time (a leading byte order mark not text; rows with no text dropped, counted); the format a path's first row shows
   (`data.format: auto`).
 - `json_array`: a JSON array of rows read an element at a time (a JSON object of objects a member at a time).
-- `formats`: the row formats users bring (Alpaca, OpenAI messages, ShareGPT, TRL's prompt-completion rows, TRL's and
-  LLaMA-Factory's pairs) read into ours, and detected from a row.
+- `formats`: the row formats users bring (Alpaca and LLaMA-Factory's conversations of it, OpenAI messages with their
+  weights and tool calls, ShareGPT, TRL's prompt-completion rows, TRL's and LLaMA-Factory's pairs) read into ours,
+  and detected from a row.
 - `textio`: data paths read strictly (documents, rows, texts); the held-out part's boundary.
 - `eval_sets`: evaluation sets as the eval_set stages write them (the training data's held-out part, in our form).
 - `truncation`: how much data.max_seq_len cuts or drops, and the warning when it is more than a small share.
 - `verified`: the input files the check stage found valid, remembered by size and time (not read again).
 - `tokenizer`: loading, saving and extending a vocabulary (Chinese-LLaMA style).
 - `encoding`: text -> token ids in Rust-side batches; documents -> one int32 stream.
-- `templates`: instruction rows rendered as training text (alpaca prompts; chat templates a turn at a time).
+- `templates`: instruction rows rendered as training text (alpaca prompts; chat templates a turn at a time, tool calls
+  only where the template renders them).
 - `examples`: SFT rows with prompts masked, preference pairs (two SFT examples each), as int32 arrays.
 - `parts`: a stream of items tokenized into part files by worker processes, resumably.
 - `streamed`: the training data of any size tokenized, packed, split and written, a chunk at a time.

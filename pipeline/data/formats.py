@@ -1,9 +1,10 @@
 """The row formats users bring, each read into the one form the builders take (docs/data.md shows a row of each):
 
 - text: a document (a line of a text file, or a row's "text");
-- alpaca: {instruction, input?, output} (Stanford Alpaca);
-- chat: {messages: [{role, content}, ...]} (OpenAI), or ShareGPT's {conversations: [{from, value}, ...], system?}
-  (human/gpt/system, as LLaMA-Factory reads it), read as messages;
+- alpaca: {instruction, input?, output} (Stanford Alpaca), with LLaMA-Factory's system? and history? (earlier turns);
+- chat: {messages: [{role, content}, ...], tools?} (OpenAI: an assistant's weight 0/1 and tool_calls, tool results),
+  or ShareGPT's {conversations: [{from, value}, ...], system?} (human/gpt/system, as LLaMA-Factory reads it), read as
+  messages;
 - prompt_completion: TRL's SFT rows, a prompt (a string, or a message list) and its completion (a string, or one
   assistant message), read as {prompt, completion: str}; only the completion is trained;
 - preference: a prompt (a string, or the conversation before the responses as `messages`) with a chosen and a rejected
@@ -17,6 +18,7 @@ no text (dropped and counted, not refused)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 FORMATS = ("text", "alpaca", "chat", "prompt_completion", "preference")
@@ -125,41 +127,81 @@ def _document(row: dict, at: str) -> str:
 
 
 def _alpaca(row: dict, at: str) -> dict:
+    """An alpaca row as it is, its LLaMA-Factory fields checked: a `system` string and a `history` of [instruction,
+    response] pairs (the earlier turns); its other LLaMA-Factory fields, which we cannot honour, refused."""
     _missing(row, ("instruction", "output"), "alpaca", at)
     _string(row, "instruction", at)
     _string(row, "output", at)
-    if row.get("input") is not None:
-        _string(row, "input", at)
+    for field in ("input", "system"):
+        if row.get(field) is not None:
+            _string(row, field, at)
+    history = row.get("history")
+    if history is not None and not (
+        isinstance(history, list)
+        and all(isinstance(t, list) and len(t) == 2 and all(isinstance(s, str) for s in t) for t in history)
+    ):
+        raise ValueError(
+            f"{at}: 'history' must be a list of [instruction, response] string pairs (LLaMA-Factory's alpaca format), "
+            f"got {history!r:.80}"
+        )
+    if unused := [field for field in UNHONOURED if row.get(field) not in EMPTY]:
+        raise ValueError(
+            f"{at}: {', '.join(repr(f) for f in unused)}: LLaMA-Factory's {'/'.join(UNHONOURED)} are not trained "
+            "here; expected rows without them (text only)"
+        )
     return row
 
 
+UNHONOURED = ("tools", "images", "videos", "audios")  # LLaMA-Factory's alpaca fields we do not train on
+
+
 def _chat(row: dict, at: str) -> dict:
+    """A chat row as {messages, tools?}: OpenAI's messages as its fine-tuning format defines them (`_openai`), a row
+    with tool calls as a `ToolChat` (which remembers `at`); ShareGPT's turns read as messages."""
     if row.get("messages") is None and row.get("conversations") is None:
         _missing(row, ("messages",), "chat", at)
     if row.get("messages") is not None and row.get("conversations") is not None:
         raise ValueError(f"{at}: both 'messages' and 'conversations'; expected one of them")
-    if row.get("messages") is not None and _plain(row["messages"]) and row.get("system") is None:
-        return row
-    return {"messages": _conversation(row, at)}
+    if row.get("messages") is None:
+        return {"messages": _conversation(row, at)}
+    if row.get("functions") is not None:
+        raise ValueError(f"{at}: 'functions' (OpenAI's deprecated function calling); expected 'tools'")
+    chat = {"messages": _conversation(row, at, openai=True)}
+    if row.get("tools") is not None:
+        chat["tools"] = _tools(row["tools"], at)
+    assistants = [m for m in chat["messages"] if m["role"] == "assistant"]
+    if assistants and all(m.get("weight", 1) == 0 for m in assistants):
+        raise ValueError(f"{at}: every assistant message has 'weight': 0, so nothing is trained; expected one with 1")
+    uses_tools = "tools" in chat or any("tool_calls" in m or m["role"] == "tool" for m in chat["messages"])
+    return ToolChat(chat, at) if uses_tools else chat
 
 
-def _plain(messages: object) -> bool:
-    """Whether `messages` is already ours: a non-empty list of {role: str, content: str}."""
-    return isinstance(messages, list) and bool(messages) and all(_is_message(m) for m in messages)
+OPENAI_KEYS = {"tool_calls", "weight", "tool_call_id"}  # message keys of OpenAI's format that change what is trained
+
+
+class ToolChat(dict):
+    """A chat row (our form) with tool calls, tool results or tools, and `at`, where it was read: such a row renders
+    only with a chat template that renders tool calls, and a refusal names the row."""
+
+    def __init__(self, chat: dict, at: str):
+        super().__init__(chat)
+        self.at = at
 
 
 def _is_message(turn: object) -> bool:
     return isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)
 
 
-def _conversation(row: dict, at: str, field: str | None = None) -> list[dict]:
+def _conversation(row: dict, at: str, field: str | None = None, *, openai: bool = False) -> list[dict]:
     """A row's messages (`messages`, `conversations` or `field`) as [{role, content}], ShareGPT's {from, value}
-    turns and roles read as ours, a `system` string put first."""
+    turns and roles read as ours, a `system` string put first; with `openai`, OpenAI's messages (`_openai`)."""
     field = field or ("messages" if row.get("messages") is not None else "conversations")
     turns = row[field]
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{at}: {field!r} must be a non-empty list of messages, got {turns!r:.80}")
-    messages = [_message(turn, field, at) for turn in turns]
+    messages = [
+        _openai(turn, f"{field}[{i}]", at) if openai else _message(turn, field, at) for i, turn in enumerate(turns)
+    ]
     system = row.get("system")
     if system is not None and field != "prompt":
         if not isinstance(system, str):
@@ -185,6 +227,67 @@ def _message(turn: object, field: str, at: str) -> dict:
     )
 
 
+def _openai(turn: object, name: str, at: str) -> dict:
+    """One message of OpenAI's chat fine-tuning format, kept with its keys (null ones left out): an assistant's
+    `weight` (0: not trained, 1: trained) and `tool_calls` (content null; each call's JSON `arguments` read into the
+    object chat templates take), a tool result's `tool_call_id`; any other message as `_message` reads it."""
+    if not isinstance(turn, dict) or not (OPENAI_KEYS & turn.keys() or turn.get("role") == "tool"):
+        message = _message(turn, "messages", at)
+        return dict(turn) if _is_message(turn) else message
+    message = {key: value for key, value in turn.items() if value is not None}
+    role = message.get("role")
+    if "weight" in turn and (role != "assistant" or type(turn["weight"]) is not int or turn["weight"] not in (0, 1)):
+        raise ValueError(
+            f"{at}: {name}.weight must be 0 or 1 on an assistant message (OpenAI's chat fine-tuning: 0 is not "
+            f"trained), got {turn['weight']!r} on a {role!r} message"
+        )
+    if "tool_calls" in message:
+        calls = message["tool_calls"]
+        if role != "assistant" or not isinstance(calls, list) or not calls:
+            raise ValueError(
+                f"{at}: {name}.tool_calls must be a non-empty list on an assistant message, got {calls!r:.80}"
+            )
+        message["tool_calls"] = [_tool_call(call, f"{name}.tool_calls[{j}]", at) for j, call in enumerate(calls)]
+    elif role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise ValueError(f"{at}: {name} is a tool result without a 'tool_call_id' string")
+    if not isinstance(role, str) or not isinstance(
+        message.get("content", "" if "tool_calls" in message else None), str
+    ):
+        raise ValueError(
+            f"{at}: {name} must have a 'role' and a string 'content' (null only beside 'tool_calls'), got {turn!r:.80}"
+        )
+    return message
+
+
+def _tool_call(call: object, name: str, at: str) -> dict:
+    """An OpenAI tool call, its `arguments` (a JSON string) read as the object it encodes."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str) and "arguments" in function):
+        raise ValueError(
+            f'{at}: {name} must be {{"id", "type": "function", "function": {{"name": str, "arguments": str}}}}, '
+            f"got {call!r:.80}"
+        )
+    arguments = function["arguments"]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{at}: {name}.function.arguments is not JSON ({err.msg}): {arguments!r:.80}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _tools(tools: object, at: str) -> list:
+    """A row's `tools` (OpenAI's function schemas), as they are."""
+    if not (
+        isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)
+    ):
+        raise ValueError(
+            f'{at}: \'tools\' must be a list of {{"type": "function", "function": {{"name", ...}}}} objects, '
+            f"got {tools!r:.80}"
+        )
+    return tools
+
+
 def _completion(row: dict, at: str) -> dict:
     """A prompt-completion row (TRL's SFT form, standard or conversational) as {prompt: str | messages, completion:
     str}: our form keeps the prompt where TRL puts it, so that its conversation stays untrained context."""
@@ -202,6 +305,11 @@ def _pair(row: dict, at: str) -> dict:
     _missing(row, ("chosen", "rejected"), "preference", at)
     prompt, conversation = row.get("prompt"), row.get("messages", row.get("conversations"))
     if prompt is None and conversation is None and isinstance(row.get("instruction"), str):  # LLaMA-Factory's Alpaca
+        if row.get("system") or row.get("history"):
+            raise ValueError(
+                f"{at}: an alpaca pair with 'system' or 'history' (LLaMA-Factory's) is not read here; expected the "
+                "conversation before the responses as 'messages', with 'chosen' and 'rejected'"
+            )
         prompt = row["instruction"] + (f"\n\n{row['input']}" if row.get("input") else "")
     if prompt is not None and conversation is not None:
         field = "messages" if "messages" in row else "conversations"

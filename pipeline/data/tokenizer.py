@@ -87,7 +87,14 @@ class LightTokenizer:
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
 
-    def apply_chat_template(self, conversation: list, *, tokenize: bool = False, add_generation_prompt: bool = False):
+    def apply_chat_template(
+        self,
+        conversation: list,
+        *,
+        tools: list | None = None,
+        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+    ):
         """The conversation (a list of messages), or each of a batch of them, rendered as transformers renders it
         (same renderer, same variables)."""
         from transformers.utils.chat_template_utils import render_jinja_template
@@ -101,6 +108,7 @@ class LightTokenizer:
         rendered, _ = render_jinja_template(
             conversations=chats,
             chat_template=self.chat_template,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
         )

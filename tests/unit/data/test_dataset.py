@@ -389,3 +389,189 @@ def test_a_chat_template_that_reaches_for_python_is_refused_and_runs_nothing(
     with pytest.raises(ValueError, match="chat template: refused by the sandbox it renders in"):
         build_sft(tokenizer, [conversation], template="chat", max_seq_len=64)
     assert not marker.exists()
+
+
+def _spans(tokenizer, ids: list[int], labels: list[int]) -> list[str]:
+    """The trained spans of an example, each decoded: what the loss is on, turn by turn."""
+    spans, run = [], []
+    for token, label in [*zip(ids, labels, strict=True), (None, IGNORE_INDEX)]:
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            spans, run = [*spans, tokenizer.decode(run)], []
+    return spans
+
+
+def _rows_file(tmp_path, name: str, rows: list[dict]) -> Path:
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+LLAMA_FACTORY_ALPACA = {  # LLaMA-Factory's alpaca format (data/README.md): system prompt and earlier turns
+    "instruction": "And in French?",
+    "input": "",
+    "output": "Bonjour.",
+    "system": "Answer in one word.",
+    "history": [["Say hello.", "Hello."], ["In Spanish?", "Hola."]],
+}
+
+
+@pytest.mark.parametrize("chat_template", [True, False], ids=["chat_template", "no_chat_template"])
+def test_llama_factory_alpaca_trains_each_response_of_its_conversation(smol_tokenizer_dir, tmp_path, chat_template):
+    """An alpaca row with `system` and `history` is the conversation LLaMA-Factory makes of it: through the chat
+    template (whatever data.prompt_template) its system turn, each history pair a user and an assistant turn, the row's
+    instruction and output last; without one, each turn an alpaca prompt after the system text. Every response is
+    trained, the history's too (LLaMA-Factory's default, mask_history false), each prompt masked. A row whose system
+    and history are empty tokenizes as a Stanford Alpaca row."""
+    tokenizer = load_tokenizer(smol_tokenizer_dir)
+    if not chat_template:
+        tokenizer.chat_template = None
+    path = _rows_file(tmp_path, "lf.jsonl", [LLAMA_FACTORY_ALPACA])
+    assert detected_format(path) == "alpaca"
+    rows = list(items(path, "alpaca"))
+    arrays, counts = sft_arrays(tokenizer, rows, template="alpaca", max_seq_len=512)
+    assert counts == {"examples": 1, "truncated_examples": 0, "dropped_examples": 0}
+    ((ids, labels),) = _split(arrays)
+    end = "<|im_end|>\n" if chat_template else tokenizer.eos_token
+    assert _spans(tokenizer, ids, labels) == [f"{reply}{end}" for reply in ("Hello.", "Hola.", "Bonjour.")]
+    text, prompt = tokenizer.decode(ids), tokenizer.decode(_prompt(tokenizer, ids, labels))
+    if chat_template:
+        conversation = [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "Say hello."},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "In Spanish?"},
+            {"role": "assistant", "content": "Hola."},
+            {"role": "user", "content": "And in French?"},
+            {"role": "assistant", "content": "Bonjour."},
+        ]
+        assert text == tokenizer.apply_chat_template(conversation, tokenize=False)
+    else:
+        assert text.startswith("Answer in one word.\n\nBelow is an instruction")
+        assert prompt.index("Say hello.") < prompt.index("In Spanish?") < prompt.index("And in French?")
+    plain = {"instruction": "Say hi.", "input": "", "output": "Hi there!"}
+    same, _ = sft_arrays(tokenizer, [{**plain, "system": "", "history": []}], template="alpaca", max_seq_len=512)
+    today, _ = sft_arrays(tokenizer, [plain], template="alpaca", max_seq_len=512)
+    for name in SFT:
+        np.testing.assert_array_equal(same[name], today[name])
+
+
+SFT = ("ids", "labels", "lengths")
+OPENAI_WEIGHTED = {  # OpenAI's chat fine-tuning format: weight 0 on an assistant message means it is not trained
+    "messages": [
+        {"role": "system", "content": "Marv is a factual chatbot that is also sarcastic."},
+        {"role": "user", "content": "What's the capital of France?"},
+        {"role": "assistant", "content": "Paris", "weight": 0},
+        {"role": "user", "content": "Can you be more sarcastic?"},
+        {"role": "assistant", "content": "Paris, as if everyone doesn't know that already.", "weight": 1},
+    ]
+}
+
+
+def test_openai_weight_zero_is_context_not_trained(smol, tmp_path):
+    """An assistant message with weight 0 is masked like a prompt; weight 1 (or none) is trained; the text is the
+    conversation's rendering, the weights no part of it; evaluate scores the same tokens."""
+    from pipeline.evaluation.likelihood import set_examples
+
+    path = _rows_file(tmp_path, "marv.jsonl", [OPENAI_WEIGHTED])
+    rows = list(items(path, detected_format(path)))
+    arrays, _ = sft_arrays(smol, rows, template="chat", max_seq_len=512)
+    ((ids, labels),) = _split(arrays)
+    unweighted = [{k: v for k, v in m.items() if k != "weight"} for m in OPENAI_WEIGHTED["messages"]]
+    assert smol.decode(ids) == smol.apply_chat_template(unweighted, tokenize=False)
+    assert _spans(smol, ids, labels) == ["Paris, as if everyone doesn't know that already.<|im_end|>\n"]
+    assert "Paris<|im_end|>" in smol.decode(_prompt(smol, ids, labels))
+    (scored,) = set_examples(smol, rows, data_format="chat", template="chat", max_bytes=None)
+    assert smol.decode([t for t, s in zip(scored.ids, scored.scored, strict=True) if s]) == _trained(smol, ids, labels)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+OPENAI_TOOLS = {  # OpenAI's chat fine-tuning format with tool calls (its function-calling example)
+    "messages": [
+        {"role": "user", "content": "What is the weather in San Francisco?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_id",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"location": "San Francisco, USA"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_id", "content": '{"temperature": 21, "unit": "celsius"}'},
+        {"role": "assistant", "content": "It is 21 degrees celsius in San Francisco."},
+    ],
+    "tools": [WEATHER],
+}
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer_dir(smol_tokenizer_dir, tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer with Qwen2.5-Instruct's chat template, which renders tools, tool calls and their results."""
+    folder = tmp_path_factory.mktemp("tool_tokenizer")
+    for file in smol_tokenizer_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "chat_template.jinja").write_bytes(
+        (Path(__file__).parents[2] / "helpers/tool_template.jinja").read_bytes()
+    )
+    return folder
+
+
+@pytest.mark.parametrize("light", [False, True], ids=["transformers_tokenizer", "light_tokenizer"])
+def test_openai_tool_calls_train_the_calls_and_mask_the_results(tool_tokenizer_dir, tmp_path, light):
+    """With a chat template that renders tools, a conversation with tool calls is its rendering with the row's tools
+    (transformers' apply_chat_template(messages, tools=...)): the assistant's call (its arguments as the object they
+    encode) and its answer are trained, the tools, the question and the tool's result are prompt; the cache_dataset
+    workers' tokenizer (light) gives the same tokens."""
+    from pipeline.data.tokenizer import light_tokenizer
+
+    tokenizer = light_tokenizer(tool_tokenizer_dir) if light else load_tokenizer(tool_tokenizer_dir)
+    reference = load_tokenizer(tool_tokenizer_dir)
+    path = _rows_file(tmp_path, "tools.jsonl", [OPENAI_TOOLS])
+    assert detected_format(path) == "chat"
+    rows = list(items(path, "chat"))
+    arrays, _ = sft_arrays(tokenizer, rows, template="chat", max_seq_len=1024)
+    ((ids, labels),) = _split(arrays)
+    messages = json.loads(json.dumps(OPENAI_TOOLS["messages"]))
+    messages[1]["tool_calls"][0]["function"]["arguments"] = {"location": "San Francisco, USA"}
+    expected = reference.apply_chat_template(messages, tools=[WEATHER], tokenize=False)
+    assert reference.decode(ids) == expected
+    assert _spans(reference, ids, labels) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"location": "San Francisco, USA"}}\n</tool_call>'
+        "<|im_end|>\n",
+        "It is 21 degrees celsius in San Francisco.<|im_end|>\n",
+    ]
+    prompt = reference.decode(_prompt(reference, ids, labels))
+    assert '"name": "get_weather"' in prompt and '<tool_response>\n{"temperature": 21' in prompt
+
+
+def test_tool_calls_with_a_template_that_cannot_render_them_are_refused_naming_the_row(smol, tmp_path):
+    """SmolLM2's chat template never reads tool_calls: its rendering would train an empty reply where the call was,
+    so the row is refused, named by its file and line, with the reason."""
+    path = _rows_file(tmp_path, "tools.jsonl", [OPENAI_WEIGHTED, OPENAI_TOOLS])
+    rows = list(items(path, "chat"))
+    with pytest.raises(ValueError, match=r"tools.jsonl:2: a conversation with tool calls .* never reads 'tool_calls'"):
+        sft_arrays(smol, rows, template="chat", max_seq_len=1024)
+
+
+def test_the_check_refuses_tool_calls_the_base_cannot_render_naming_the_row(tiny_base_dir, tmp_path):
+    """The check stage, before anything runs: the base's (SmolLM2's) chat template never reads tool_calls, so a file
+    whose second row calls a tool is refused with that row's file and line and the reason."""
+    from pipeline.check import check
+    from pipeline.core import config
+    from tests.conftest import REPO
+
+    rows = [OPENAI_WEIGHTED, OPENAI_TOOLS] * 8
+    path = _rows_file(tmp_path, "tools.jsonl", rows)
+    chosen = ["experiment=tiny", "data=own", f"data.train_file={path}", f"model.path={tiny_base_dir}"]
+    cfg = config.Config(**config.compose(REPO / "conf", [*chosen, "launcher.accelerator=cpu"]))
+    defaults = config.Config(**config.compose(REPO / "conf", []))
+    corpus = [Path("data")]  # the default corpora, which prepare_corpus writes
+    found = check(cfg, defaults=defaults, produced=corpus, known=set(), tokenizer_memo=None, pinned={})
+    assert any(
+        e.startswith(f"data.train_file: {path}:2: a conversation with tool calls") and "never reads 'tool_calls'" in e
+        for e in found.errors
+    ), found.errors

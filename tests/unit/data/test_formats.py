@@ -96,6 +96,12 @@ def test_trl_prompt_completion_rows_read_as_their_prompt_and_completion(texts):
     assert formats.canonical(pair, "preference", at) == pair
 
 
+def _chat(assistant: dict) -> dict:
+    """An OpenAI chat row whose assistant message has `assistant`'s keys."""
+    reply = {"role": "assistant", "content": "a", **assistant}
+    return {"messages": [{"role": "user", "content": "q"}, reply]}
+
+
 @pytest.mark.parametrize(
     ("row", "data_format", "message"),
     [
@@ -122,6 +128,24 @@ def test_trl_prompt_completion_rows_read_as_their_prompt_and_completion(texts):
             r"'completion' must be a string or one assistant message",
         ),
         ({"prompt": [{"speaker": "u"}], "completion": "c"}, "prompt_completion", r"'prompt' must be a non-empty list"),
+        ({"instruction": "i", "output": "o", "history": [["q"]]}, "alpaca", r"f:7: 'history' must be a list of \["),
+        ({"instruction": "i", "output": "o", "images": ["a.png"]}, "alpaca", r"f:7: 'images': LLaMA-Factory's"),
+        (
+            {"instruction": "i", "history": [["q", "a"]], "chosen": "c", "rejected": "r"},
+            "preference",
+            r"f:7: an alpaca pair with 'system' or 'history'",
+        ),
+        (_chat({"weight": 0.5}), "chat", r"f:7: messages\[1\].weight must be 0 or 1 .* got 0.5"),
+        (_chat({"weight": True}), "chat", r"f:7: messages\[1\].weight must be 0 or 1"),
+        (_chat({"weight": 0}), "chat", r"f:7: every assistant message has 'weight': 0"),
+        (
+            _chat({"content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}),
+            "chat",
+            r"f:7: messages\[1\].tool_calls\[0\].function.arguments is not JSON",
+        ),
+        (_chat({"content": None}), "chat", r"f:7: 'messages' must be a non-empty list of"),
+        ({**_chat({}), "functions": [{"name": "f"}]}, "chat", r"f:7: 'functions' \(OpenAI's deprecated"),
+        ({**_chat({}), "tools": ["f"]}, "chat", r"f:7: 'tools' must be a list of"),
     ],
 )
 def test_a_row_that_fits_no_format_is_refused_naming_it(row, data_format, message):
