@@ -18,7 +18,7 @@ from datasets.arrow_writer import ArrowWriter
 
 from pipeline.check import check, check_file
 from pipeline.core import config
-from pipeline.data import streamed
+from pipeline.data import streamed, tables
 from pipeline.data.assembly import Packing
 from pipeline.data.inputs import Dropped, detected_format, heldout_path, items, stored_files, unused_columns
 from pipeline.data.textio import verify
@@ -83,9 +83,12 @@ def test_an_empty_cell_is_a_dropped_row_and_a_broken_row_is_refused(tmp_path):
     (tmp_path / "bad.csv").write_text("id,text\n1,fine\n2,a, stray comma\n", encoding="utf-8")
     with pytest.raises(
         ValueError,
-        match=r"data.train_file: .*bad.csv: CSV parse error: Expected 2 columns, got 3: 2,a, stray comma; expected CSV",
+        match=r"train_file: .*bad.csv: CSV parse error: Row #3: Expected 2 columns, got 3: 2,a, stray comma; expected",
     ):
         check_file("data.train_file", str(tmp_path / "bad.csv"), "text")
+    python_csv(tmp_path / "long.csv", [DOCUMENTS[0], {**DOCUMENTS[1], "text": "a, b\n" * (tables.CSV_BLOCK // 2)}])
+    with pytest.raises(ValueError, match=r"long.csv: a row longer than 4 MB \(after row 1\); expected shorter rows"):
+        check_file("data.train_file", str(tmp_path / "long.csv"), "text")
     python_csv(tmp_path / "rows.csv", [{"instruction": row["instruction"]} for row in ALPACA])
     with pytest.raises(ValueError, match=r"rows.csv: no column\(s\) 'output' \(it has \['instruction'\]\)"):
         check_file("data.train_file", str(tmp_path / "rows.csv"), "alpaca")
