@@ -1,8 +1,8 @@
 """Stage eval_set (one per `eval.sets` entry, `eval_set@NAME`): the set's data path, read as evaluate will read it (any
-container cache_dataset reads: a folder, a glob, Parquet, compressed, a JSON array), written in our form into the
-folder evaluate depends on (`pipeline/data/eval_sets.py`); the training data's own path gives its held-out part (a
-DatasetDict folder's: its test, else validation, split).
-Declaring a set in the config is enough: the graph follows it."""
+container cache_dataset reads: a folder, a glob, CSV, Parquet, Arrow, compressed, a JSON array), written in our form
+into the folder evaluate depends on (`pipeline/data/eval_sets.py`); the training data's own path gives its held-out
+part (a DatasetDict folder's: its test, else validation, split). Declaring a set in the config is enough: the graph
+follows it."""
 
 import argparse
 from itertools import islice
@@ -42,6 +42,8 @@ def main(args: argparse.Namespace, cfg: config.Config) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--name", required=True, help="the set's name in eval.sets")
-    parser.add_argument("--file", required=True, help="its data path (text, JSON, JSONL or Parquet; a folder, a glob)")
+    parser.add_argument(
+        "--file", required=True, help="its data path (text, JSON(L), CSV, TSV, Parquet, Arrow; a folder, a glob)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="folder to write it into")
     run(main, parser)
