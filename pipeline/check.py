@@ -14,9 +14,18 @@ from itertools import islice
 from pathlib import Path
 
 from pipeline.core import config
-from pipeline.data import truncation, verified
+from pipeline.data import tables, truncation, verified
 from pipeline.data.formats import template_for
-from pipeline.data.inputs import Dropped, data_files, detected_format, items, kind, resolved_format
+from pipeline.data.inputs import (
+    Dropped,
+    data_files,
+    detected_format,
+    heldout_path,
+    items,
+    kind,
+    resolved_format,
+    unused_columns,
+)
 from pipeline.data.textio import verify
 from pipeline.model import hub
 
@@ -78,9 +87,11 @@ def check_file(key: str, path: str, data_format: str) -> str | None:
 
 
 def inputs(cfg: config.Config, data_format: str) -> list[tuple[str, str, str]]:
-    """(key, path, format) of every input file the configuration names ("auto": as its first row shows)."""
+    """(key, path, format) of every input file the configuration names ("auto": as its first row shows); the held-out
+    part where it is read from (a DatasetDict folder's held-out split)."""
     d, t = cfg.data, cfg.tokenizer
-    files = [("data.train_file", d.train_file, data_format), ("data.heldout_file", d.heldout_file, data_format)]
+    heldout = heldout_path(d.train_file, d.heldout_file) or d.heldout_file
+    files = [("data.train_file", d.train_file, data_format), ("data.heldout_file", heldout, data_format)]
     files += [(f"data.sources.{i}.file", s.file, s.format) for i, s in enumerate(d.sources)]
     if t.extend:
         files += [("tokenizer.train_file", t.train_file, "texts"), ("tokenizer.heldout_file", t.heldout_file, "texts")]
@@ -100,14 +111,22 @@ def data_findings(
     data_format, errors = format_errors(cfg)
     if data_format is None:
         return errors, [], set()
-    seen, row_sets, warned = set(), {}, {}
-    for key, path, read_as in inputs(cfg, data_format):
+    seen, row_sets, warned, unread = set(), {}, {}, {}
+    try:
+        files = inputs(cfg, data_format)
+    except ValueError as err:  # a DatasetDict folder's dataset_dict.json unreadable
+        return [f"data.train_file: {err}"], [], set()
+    for key, path, read_as in files:
         if is_produced(path, produced):
             continue
         try:
             read_as = detected_format(path) if read_as == "auto" else read_as
             if read_as == "texts" and all(kind(file) == "text" for file in data_files(path)):
                 read_as = "text"  # the same reading as the data's text files (one verification for both)
+            columns = tuple(unused_columns(path, read_as)) if read_as != "texts" else ()
+            if columns and (columns, read_as) not in unread:  # said once, as the first key naming them
+                names = ", ".join(repr(c) for c in columns)
+                unread[columns, read_as] = f"{key}: column(s) {names} are not used by data.format={read_as}"
         except (ValueError, FileNotFoundError) as err:
             errors.append(f"{key}: {err}")
             continue
@@ -127,7 +146,7 @@ def data_findings(
             seen.add(file)
         else:  # not remembered: the next check reads it again and says it again
             warned[file] = warning
-    dropped = list(warned.values())
+    dropped = unused_splits(cfg) + list(unread.values()) + list(warned.values())
     if errors or (data_format == "text" and not row_sets):
         return errors, dropped, seen
     try:
@@ -136,6 +155,18 @@ def data_findings(
         return [f"model.path: {err}"], dropped, seen
     found, warnings = sample_findings(cfg, data_format, row_sets, tokenizer)
     return found, dropped + warnings, seen
+
+
+def unused_splits(cfg: config.Config) -> list[str]:
+    """The warning naming the splits of a DatasetDict training folder that are neither trained on nor held out."""
+    d, folder = cfg.data, Path(cfg.data.train_file)
+    if not (folder / "dataset_dict.json").is_file():
+        return []
+    held = tables.heldout_split(folder) if d.heldout_file == d.train_file else None
+    left = [name for name in tables.splits(folder) if name not in ("train", held and held.name)]
+    if not left:
+        return []
+    return [f"data.train_file: split(s) {', '.join(map(repr, left))} of {folder} are not used (training: 'train')"]
 
 
 def format_errors(cfg: config.Config) -> tuple[str | None, list[str]]:

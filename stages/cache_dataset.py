@@ -12,7 +12,7 @@ from pipeline.core.atomic import atomic_path, read_json, write_json
 from pipeline.core.log import logger
 from pipeline.data import assembly, mixing, streamed, truncation
 from pipeline.data.formats import template_for
-from pipeline.data.inputs import resolved_format
+from pipeline.data.inputs import heldout_path, resolved_format
 from stages._common import run
 
 log = logger("cache_dataset")
@@ -53,7 +53,7 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
                 tmp,
                 tokenizer_dir=args.tokenizer,
                 train_file=d.train_file,
-                heldout_fraction=d.heldout_fraction if d.heldout_file == d.train_file else None,
+                heldout_fraction=d.heldout_fraction if heldout_path(d.train_file, d.heldout_file) is None else None,
                 packing=packing,
                 work=work,
                 workers=workers,

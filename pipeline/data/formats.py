@@ -14,7 +14,7 @@
 
 `canonical` checks a row of a format and returns it in our form (a row already in it, as it is); `detect` names the
 format a row's fields show (`data.format: auto`), refusing a row that fits none or several; `is_empty` tells a row with
-no text (dropped and counted, not refused)."""
+no text (dropped and counted, not refused); `unused` names the columns of a table a format does not read."""
 
 from __future__ import annotations
 
@@ -79,6 +79,21 @@ def canonical(row: dict, data_format: str, at: str) -> dict | str:
     if data_format == "preference":
         return _pair(row, at)
     raise ValueError(f"data.format: expected one of {', '.join(FORMATS)} or auto, got {data_format!r}")
+
+
+READ = {  # per format, every field a row of it may have read (the others are not trained on)
+    "text": ("text",),
+    "alpaca": ("instruction", "input", "output"),
+    "chat": ("messages", "conversations", "system"),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "messages", "conversations", "system", "instruction", "input", "chosen", "rejected"),
+}
+
+
+def unused(columns: list[str], data_format: str) -> list[str]:
+    """The `columns` (of a table) that `data_format` does not read: said by the check, so that none is silently
+    left out of training."""
+    return [column for column in columns if column not in READ.get(data_format, columns)]
 
 
 EMPTY = (None, "", [])

@@ -1,6 +1,7 @@
-"""The data files users have: a data path names one file, a folder (every data file under it) or a glob of files;
-each is plain text (one document per line), JSON (an array of rows, or one row per line: JSONL) or Parquet, each
-optionally compressed (.gz, .bz2, .zst). Read a line, a JSON array's element (or a Parquet batch) at a time, so that
+"""The data files users have: a data path names one file, a folder (every data file under it, or the dataset it is:
+datasets' save_to_disk layout) or a glob of files; each is plain text (one document per line), JSON (an array of rows,
+or one row per line: JSONL), or a table (`tables`: Parquet, CSV, TSV, Arrow), text, JSON, CSV and TSV optionally
+compressed (.gz, .bz2, .zst). Read a line, a JSON array's element (or a table's batch of rows) at a time, so that
 memory never holds a file; errors name the file and the line (or row, or element). Rows are read as their format
 (`formats.canonical`); a row with no text (`formats.is_empty`) is dropped, counted in a `Dropped`. A file's leading
 UTF-8 byte order mark (Windows editors, Excel's exports) is not part of its text."""
@@ -16,29 +17,41 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from pipeline.data import formats, json_array
+from pipeline.data import formats, json_array, tables
 
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
-KINDS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}  # any other suffix is plain text
-DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet")
-COLUMNS = {  # a Parquet file must have
+KINDS = {  # any other suffix is plain text; a folder data_files names is a saved dataset: "arrow"
+    ".jsonl": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".arrow": "arrow",
+}
+DATA_SUFFIXES = (".txt", ".text", ".jsonl", ".json", ".parquet", ".csv", ".tsv", ".arrow")
+COLUMNS = {  # a table must have
+    "text": ("text",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "preference": ("chosen", "rejected"),
 }
-PARQUET_ROWS = 4096  # rows of a Parquet file decoded at a time
 LINES_BLOCK = 1 << 22  # bytes of a text file decoded at a time (then cut after its last whole line)
 
 
 def data_files(spec: Path | str) -> list[Path]:
     """The files a data path names, in a fixed (sorted) order: the file itself, every data file under a folder
-    (recursively), or the files a glob matches."""
+    (recursively), or the files a glob matches; a folder in datasets' save_to_disk layout is one (a DatasetDict's:
+    its `train` split), a folder holding files of that layout otherwise is refused."""
     text = str(spec)
     path = Path(text)
     if path.is_file():
         return [path]
     if path.is_dir():
+        if (saved := tables.saved_dataset(path)) is not None:
+            return [saved]
         found = sorted(p for p in path.rglob("*") if p.is_file() and _is_data_file(p))
+        if stray := next((p for p in found if p.name in tables.LAYOUT_FILES), None):
+            raise ValueError(tables.stray_layout(path, stray))
         if not found:
             raise FileNotFoundError(f"{path}: no data file in this folder (expected {_EXPECTED})")
         return found
@@ -50,7 +63,10 @@ def data_files(spec: Path | str) -> list[Path]:
     raise FileNotFoundError(f"{path}: data file not found")
 
 
-_EXPECTED = "a file, a folder or a glob of .txt, .jsonl, .json or .parquet files, each optionally .gz, .bz2 or .zst"
+_EXPECTED = (
+    "a file, a folder or a glob of .txt, .jsonl, .json, .csv, .tsv (each optionally .gz, .bz2 or .zst), .parquet or "
+    f".arrow files, or {tables.SAVED}"
+)
 
 
 def _is_data_file(path: Path) -> bool:
@@ -59,7 +75,10 @@ def _is_data_file(path: Path) -> bool:
 
 
 def kind(path: Path) -> str:
-    """How a file is read: "text", "jsonl", "json" or "parquet" (by its suffix, under any compression suffix)."""
+    """How a file is read: "text", "jsonl", "json" or one of `tables.TABLES` (by its suffix, under any compression
+    suffix; a saved dataset's folder: "arrow")."""
+    if path.is_dir():
+        return "arrow"
     suffixes = path.suffixes[:-1] if path.suffix in CODECS else path.suffixes
     return KINDS.get(suffixes[-1] if suffixes else "", "text")
 
@@ -78,15 +97,22 @@ def open_bytes(path: Path) -> io.BufferedReader:
     return file
 
 
+def stored_files(spec: Path | str) -> list[Path]:
+    """The files a data path's content is stored in (a saved dataset's folder: every file under it): what tells
+    whether it changed."""
+    files = []
+    for path in data_files(spec):
+        files += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return files
+
+
 def estimated_items(spec: Path | str) -> int:
-    """About how many items a data path holds (its lines; a Parquet file's rows), counted without decoding: a
-    progress bar's total."""
+    """About how many items a data path holds (its lines; a Parquet or Arrow table's rows), counted without decoding:
+    a progress bar's total."""
     total = 0
     for path in data_files(spec):
-        if kind(path) == "parquet":
-            import pyarrow.parquet as pq
-
-            total += pq.ParquetFile(path).metadata.num_rows
+        if kind(path) in tables.TABLES and (rows := tables.count(path, kind(path))) is not None:
+            total += rows
             continue
         with open_bytes(path) as file:
             while block := file.read(1 << 22):
@@ -123,13 +149,11 @@ def detected_format(spec: Path | str) -> str:
     """The format a data path's first item shows (`data.format: auto`): text for plain text, else the format of its
     first row (`formats.detect`: refused, with the row, where the fields fit none or several)."""
     path = data_files(spec)[0]
-    if kind(path) == "parquet":
-        import pyarrow.parquet as pq
-
-        batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
-        if batch is None or not batch.num_rows:
+    if kind(path) in tables.TABLES:
+        row = next(tables.rows(path, kind(path)), None)
+        if row is None:
             raise ValueError(f"{path}: data file is empty")
-        return formats.detect(batch.to_pylist()[0], formats.where(path, "row 1"))
+        return formats.detect(row, formats.where(path, "row 1"))
     if kind(path) != "text" and is_array(path):
         for number, line, row in json_elements(path):
             return formats.detect(row, formats.where(path, f"element {number} (line {line})"))
@@ -246,8 +270,8 @@ def row_item(row: dict, data_format: str, at: str):
 
 def file_items(path: Path, data_format: str, *, deferred: bool = False) -> Iterator:
     """The items of one data file, a row with no text as its `Empty` (see `items`)."""
-    if kind(path) == "parquet":
-        yield from _parquet_items(path, data_format)
+    if kind(path) in tables.TABLES:
+        yield from _table_items(path, data_format)
         return
     if kind(path) == "text" and data_format == "text":
         for _, line in lines(path):
@@ -288,25 +312,35 @@ def json_elements(path: Path) -> Iterator[tuple[int, int, dict]]:
         yield from json_array.elements(file, str(path))
 
 
-def _parquet_items(path: Path, data_format: str) -> Iterator:
-    import pyarrow.parquet as pq
-
-    reader = pq.ParquetFile(path)
-    required = ("text",) if data_format == "text" else COLUMNS.get(data_format, ())
-    missing = [field for field in required if field not in reader.schema_arrow.names]
+def _table_items(path: Path, data_format: str) -> Iterator:
+    """The rows of a table file (`tables`) read as `data_format`, named `FILE:row N` in errors."""
+    names = tables.columns(path, kind(path))
+    missing = [field for field in COLUMNS.get(data_format, ()) if field not in names]
     if missing:
-        raise ValueError(
-            f"{path}: no column(s) {', '.join(repr(m) for m in missing)} (it has {reader.schema_arrow.names})"
-        )
-    number = 0
-    for batch in reader.iter_batches(batch_size=PARQUET_ROWS, columns=["text"] if data_format == "text" else None):
-        for row in batch.to_pylist():
-            number += 1
-            item = row_item(row, data_format, formats.where(path, f"row {number}"))
-            if data_format != "text" or isinstance(item, Empty):
-                yield item
-            elif item.strip():
-                yield item.strip()
+        raise ValueError(f"{path}: no column(s) {', '.join(repr(m) for m in missing)} (it has {names})")
+    only = ["text"] if data_format == "text" else None
+    for number, row in enumerate(tables.rows(path, kind(path), only=only), start=1):
+        item = row_item(row, data_format, formats.where(path, f"row {number}"))
+        if data_format != "text" or isinstance(item, Empty):
+            yield item
+        elif item.strip():
+            yield item.strip()
+
+
+def unused_columns(spec: Path | str, data_format: str) -> list[str]:
+    """The columns of a data path's tables that `data_format` does not read (`formats.unused`), each once."""
+    names = [c for path in data_files(spec) if kind(path) in tables.TABLES for c in tables.columns(path, kind(path))]
+    return formats.unused(list(dict.fromkeys(names)), data_format)
+
+
+def heldout_path(train_file: str, heldout_file: str) -> str | None:
+    """Where the held-out part is read from when it is not the training items' tail: `heldout_file` where it names a
+    path of its own, a DatasetDict folder's `test` (else `validation`) split where both name that folder; None where
+    the last data.heldout_fraction of the training items is held out."""
+    if heldout_file != train_file:
+        return heldout_file
+    split = tables.heldout_split(Path(train_file))
+    return None if split is None else str(split)
 
 
 def response_text(value: object) -> str | None:

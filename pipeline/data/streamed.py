@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pipeline.data import mixing, parts, saved_splits
 from pipeline.data.examples import IGNORE_INDEX, PAIR_COLUMNS, PAIR_COUNTS, SFT_ARRAYS
-from pipeline.data.inputs import Dropped, data_files, estimated_items, items
+from pipeline.data.inputs import Dropped, estimated_items, items, stored_files
 from pipeline.data.saved_splits import split_indices, to_table
 from pipeline.data.textio import held_out_count, verify
 from pipeline.data.tokenizer import light_tokenizer, load_tokenizer
@@ -253,7 +253,7 @@ def tokenized(
         dropped = Dropped()
         total = verify(spec, job.data_format, dropped=dropped)
         limit = dropped.rows_for(total - held_out_count(total, heldout_fraction))
-    parts.prepare(work, parts.key(job, inputs=data_files(spec), limit=limit, chunk_chars=chunk_chars))
+    parts.prepare(work, parts.key(job, inputs=stored_files(spec), limit=limit, chunk_chars=chunk_chars))
     start = time.perf_counter()
     summaries = parts.tokenize(
         work,

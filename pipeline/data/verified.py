@@ -8,15 +8,16 @@ import os
 from pathlib import Path
 
 from pipeline.core.atomic import atomic_path
-from pipeline.data.inputs import data_files
+from pipeline.data.inputs import stored_files
 
 
 def identity(path: str, data_format: str) -> str | None:
     """What identifies the content of data path `path` (a file, folder or glob: every file it names) for the check,
-    read as `data_format`; None where it names no file (the check then reads it, and says what is wrong)."""
+    read as `data_format`; None where it names no file or a folder it refuses (the check then reads it, and says what
+    is wrong)."""
     try:
-        files = [(f.resolve(), os.stat(f)) for f in data_files(path)]
-    except OSError:
+        files = [(f.resolve(), os.stat(f)) for f in stored_files(path)]
+    except (OSError, ValueError):
         return None
     named = ";".join(f"{file}|{stat.st_size}|{stat.st_mtime_ns}" for file, stat in files)
     return f"{path}={named}|{data_format}"
