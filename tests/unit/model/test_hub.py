@@ -37,9 +37,11 @@ def _config(*overrides: str):
 
 def _check(pinned: dict, *overrides: str):
     from pipeline.check import check
+    from tests.conftest import REPO
 
     cfg, defaults = _config(*overrides)
-    return check(cfg, defaults=defaults, produced=[], known=set(), tokenizer_memo=None, pinned=pinned)
+    produced = [REPO / "data" / "corpus"]  # the default's en_wiki set, which prepare_corpus writes
+    return check(cfg, defaults=defaults, produced=produced, known=set(), tokenizer_memo=None, pinned=pinned)
 
 
 def test_what_names_a_hub_repository(tmp_path, monkeypatch):
