@@ -166,7 +166,7 @@ def test_rows_with_no_text_change_nothing_but_the_counts(tmp_path, smol_tokenize
     for name, rows in (("clean", good), ("dirty", dirty)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     path = tmp_path / "dirty.jsonl"
-    warning = check_file("data.train_file", str(path), "prompt_completion")
+    warning = check_file("data.train_file", str(path), "prompt_completion", max_bad_rows=0.1)  # 4 of 44 rows
     assert warning.startswith("data.train_file: 4 row(s) with no text") and f"{path}:4, {path}:38" in warning
     count = verify(path, "prompt_completion")
     held_out = list(islice(items(path, "prompt_completion"), count - held_out_count(count, 0.1), None))  # eval_set
