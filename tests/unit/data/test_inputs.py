@@ -158,7 +158,7 @@ def test_check_warns_of_the_dropped_rows_once(tmp_path, tiny_base_dir):
 def test_more_rows_with_no_text_than_data_max_bad_rows_refuse_the_file(tmp_path):
     """Past data.max_bad_rows (a share of the file's rows, kept and dropped) the rows with no text say the file is not
     what it seems: the check refuses it with the count, the first such row and the value that would drop them; at the
-    bound it warns."""
+    bound it warns. A file of no row with text is refused as such at any bound, not as an empty file."""
     path = tmp_path / "rows.jsonl"
     empty = {"instruction": "Summarise.", "output": None}
     path.write_text(_jsonl([*ALPACA * 2, empty, *ALPACA * 46, ALPACA[0], empty, empty]), encoding="utf-8")  # 3 of 100
@@ -175,6 +175,9 @@ def test_more_rows_with_no_text_than_data_max_bad_rows_refuse_the_file(tmp_path)
         ValueError, match=f"3 of 100 row.* more than data.max_bad_rows=0.0 of them; the first: {path}:5"
     ):
         check_file("data.train_file", str(path), "alpaca", max_bad_rows=0.0)
+    path.write_text(_jsonl([empty] * 2), encoding="utf-8")  # not "empty": the file holds rows, none with text
+    with pytest.raises(ValueError, match=r"rows.jsonl: none of its 2 row\(s\) holds text \(null or empty, or an"):
+        check_file("data.train_file", str(path), "alpaca", max_bad_rows=1.0)
 
 
 def test_the_check_stage_refuses_past_the_bound_without_a_traceback(tmp_path, tiny_base_dir):
