@@ -31,6 +31,9 @@ SIGNATURES = (  # the fields that name a format (preference: chosen and rejected
     ("text", ("text",)),
 )
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"  # Anthropic's hh-rlhf turn markers
+DIALOGUE_ROLES = {HUMAN: "user", ASSISTANT: "assistant"}
+DIALOGUE_TURNS = re.compile(f"({HUMAN}|{ASSISTANT})")
 EXPECTED = {
     "text": "'text' (a string)",
     "alpaca": "'instruction' and 'output' (strings; 'input' optional)",
@@ -279,10 +282,6 @@ def _implicit(row: dict, at: str) -> dict:
     )
 
 
-HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"  # Anthropic's hh-rlhf turn markers
-DIALOGUE_TURNS = re.compile(f"({HUMAN}|{ASSISTANT})")
-
-
 def _dialogue(chosen: str, rejected: str, at: str) -> dict:
     """An hh-rlhf pair: two whole dialogues sharing every turn but the last Assistant response. Cut after each one's
     last Assistant marker (not at their shared characters, which run into answers that begin alike: "1899"/"1889"),
@@ -297,9 +296,8 @@ def _dialogue(chosen: str, rejected: str, at: str) -> dict:
             "conversation with a different last answer"
         )
     pieces = DIALOGUE_TURNS.split(before)[1:]  # marker, text, marker, text, ...
-    roles = {HUMAN: "user", ASSISTANT: "assistant"}
     messages = [
-        {"role": roles[marker], "content": _turn_text(text)}
+        {"role": DIALOGUE_ROLES[marker], "content": _turn_text(text)}
         for marker, text in zip(pieces[0::2], pieces[1::2], strict=True)
     ]
     return {"messages": messages, "chosen": _turn_text(chosen), "rejected": _turn_text(rejected)}
