@@ -75,14 +75,17 @@ def is_produced(path: str, outputs: list[Path]) -> bool:
     return any(Path(path).resolve().is_relative_to(out.resolve()) for out in outputs)
 
 
-def check_file(key: str, path: str, data_format: str) -> str | None:
+def check_file(key: str, path: str, data_format: str, *, max_bad_rows: float) -> str | None:
     """`path` read as the stage that uses it will: text lines, or JSONL rows of the format's fields; the warning
-    naming the rows it drops for holding no text, if any."""
+    naming the rows it drops for holding no text, if any, refused where they are more than `max_bad_rows` of its
+    rows (`Dropped.refusal`)."""
     dropped = Dropped()
     try:
-        verify(path, data_format, dropped=dropped)
+        kept = verify(path, data_format, dropped=dropped)
     except (ValueError, FileNotFoundError) as err:
         raise ValueError(f"{key}: {err}") from None
+    if refused := dropped.refusal(key, rows=kept + len(dropped.positions), max_share=max_bad_rows):
+        raise ValueError(refused)
     return dropped.warning(key)
 
 
@@ -104,14 +107,15 @@ def data_findings(
     cfg: config.Config, *, source: Path, produced: list[Path], known: set[str], tokenizer_memo: Path | None
 ) -> tuple[list[str], list[str], set[str]]:
     """(errors, warnings, files found valid) about the data: its format, every input file read as its stage will
-    (those in `known` are unchanged since they were; rows with no text dropped, with a warning), then the first rows
-    tokenized with the tokenizer of the base at `source` where any input holds rows (`sample_findings`)."""
+    (those in `known` are unchanged since they were; rows with no text dropped, with a warning, up to
+    data.max_bad_rows of a file's rows), then the first rows tokenized with the tokenizer of the base at `source`
+    where any input holds rows (`sample_findings`)."""
     from pipeline.data.tokenizer import model_tokenizer
 
     data_format, errors = format_errors(cfg)
     if data_format is None:
         return errors, [], set()
-    seen, row_sets, warned, unread = set(), {}, {}, {}
+    seen, row_sets, said, dropped, unread = set(), {}, set(), [], {}
     try:
         files = inputs(cfg, data_format)
     except ValueError as err:  # a DatasetDict folder's dataset_dict.json unreadable
@@ -135,18 +139,19 @@ def data_findings(
         if (file := verified.identity(path, read_as)) in known | seen:
             seen.add(file)  # unchanged since it was read and found valid
             continue
-        if file in warned:  # read under another key: its dropped rows said once
+        if file in said:  # read under another key: its dropped rows (or its refusal) said once
             continue
+        said.add(file)
         try:
-            warning = check_file(key, path, read_as)
+            warning = check_file(key, path, read_as, max_bad_rows=cfg.data.max_bad_rows)
         except ValueError as err:
             errors.append(str(err))
             continue
         if warning is None:
             seen.add(file)
         else:  # not remembered: the next check reads it again and says it again
-            warned[file] = warning
-    dropped = unused_splits(cfg) + list(unread.values()) + list(warned.values())
+            dropped.append(warning)
+    dropped = unused_splits(cfg) + list(unread.values()) + dropped
     if errors or (data_format == "text" and not row_sets):
         return errors, dropped, seen
     try:

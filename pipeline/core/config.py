@@ -64,6 +64,7 @@ class DataConfig(Section):
     sources: list[SourceConfig]
     heldout_file: str
     heldout_fraction: float = Field(gt=0.0, lt=1.0)
+    max_bad_rows: float = Field(ge=0.0, le=1.0)
     validation_fraction: float = Fraction
     block_size: int = PositiveInt
     packing: Literal["blocks", "documents"]

@@ -57,7 +57,7 @@ def preference_arrays(
     rendered as SFT renders its row (`pair_examples`), every token before the response masked, cut at max_seq_len
     keeping its start. A pair is dropped when either side keeps no trained token, so that the sides travel together.
     The counts: pairs, truncated pairs (either side cut, dropped or not) and dropped pairs."""
-    _need_chat_template(tokenizer, rows, "preference rows with 'messages'")
+    _need_chat_template(tokenizer, rows, "preference rows with a conversation ('messages', TRL's or Anthropic HH's)")
     arrays, truncated, kept = _examples(
         tokenizer, pair_examples(rows), template=template, max_seq_len=max_seq_len, final_reply_only=True
     )

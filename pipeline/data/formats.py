@@ -10,7 +10,9 @@
 - preference: a prompt (a string, or the conversation before the responses as `messages`) with a chosen and a rejected
   response (strings or assistant messages); also TRL's conversational rows (prompt, chosen and rejected as message
   lists), its implicit-prompt rows (chosen and rejected only: their shared beginning is the prompt), LLaMA-Factory's
-  ShareGPT pairs (conversations, chosen/rejected {from, value}) and its Alpaca pairs (instruction, input?).
+  ShareGPT pairs (conversations, chosen/rejected {from, value}) and its Alpaca pairs (instruction, input?), and
+  Anthropic's hh-rlhf rows (chosen and rejected each the whole "\n\nHuman: ...\n\nAssistant: ..." dialogue), read
+  as the conversation before the last Assistant turn and the two answers after it.
 
 `canonical` checks a row of a format and returns it in our form (a row already in it, as it is); `detect` names the
 format a row's fields show (`data.format: auto`), refusing a row that fits none or several; `is_empty` tells a row with
@@ -19,6 +21,7 @@ no text (dropped and counted, not refused); `unused` names the columns of a tabl
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 FORMATS = ("text", "alpaca", "chat", "prompt_completion", "preference")
@@ -30,6 +33,9 @@ SIGNATURES = (  # the fields that name a format (preference: chosen and rejected
     ("text", ("text",)),
 )
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+HUMAN, ASSISTANT = "\n\nHuman:", "\n\nAssistant:"  # Anthropic's hh-rlhf turn markers
+DIALOGUE_ROLES = {HUMAN: "user", ASSISTANT: "assistant"}
+DIALOGUE_TURNS = re.compile(f"({HUMAN}|{ASSISTANT})")
 EXPECTED = {
     "text": "'text' (a string)",
     "alpaca": "'instruction' and 'output' (strings; 'input' optional)",
@@ -382,6 +388,8 @@ def _implicit(row: dict, at: str) -> dict:
         sides = {"chosen": chosen[shared:], "rejected": rejected[shared:]}
         return _responses({"messages": chosen[:shared]}, sides, at)
     if isinstance(chosen, str) and isinstance(rejected, str):
+        if all(side.startswith(HUMAN) and ASSISTANT in side for side in (chosen, rejected)):
+            return _dialogue(chosen, rejected, at)
         shared = _shared(chosen, rejected)
         if shared > 0 and chosen[shared - 1] == " ":  # as TRL: the space before the responses starts them
             shared -= 1
@@ -395,6 +403,32 @@ def _implicit(row: dict, at: str) -> dict:
         f"{at}: without a 'prompt', 'chosen' and 'rejected' must be two strings or two message lists (TRL's implicit "
         f"prompt), got {type(chosen).__name__} and {type(rejected).__name__}"
     )
+
+
+def _dialogue(chosen: str, rejected: str, at: str) -> dict:
+    """An hh-rlhf pair: two whole dialogues sharing every turn but the last Assistant response. Cut after each one's
+    last Assistant marker (not at their shared characters, which run into answers that begin alike: "1899"/"1889"),
+    the turns before it are the prompt conversation, the texts after it the responses; refused where the turns
+    before it differ."""
+    (before, chosen), (other, rejected) = (side.rsplit(ASSISTANT, 1) for side in (chosen, rejected))
+    if before != other:
+        n = _shared(before, other)
+        raise ValueError(
+            f"{at}: 'chosen' and 'rejected' are Anthropic HH dialogues ({HUMAN!r} ... {ASSISTANT!r} ...) that differ "
+            f"before their last Assistant turn ({before[n:][:30]!r} against {other[n:][:30]!r}); expected the same "
+            "conversation with a different last answer"
+        )
+    pieces = DIALOGUE_TURNS.split(before)[1:]  # marker, text, marker, text, ...
+    messages = [
+        {"role": DIALOGUE_ROLES[marker], "content": _turn_text(text)}
+        for marker, text in zip(pieces[0::2], pieces[1::2], strict=True)
+    ]
+    return {"messages": messages, "chosen": _turn_text(chosen), "rejected": _turn_text(rejected)}
+
+
+def _turn_text(text: str) -> str:
+    """A turn's text after its marker, less the space that follows the marker ("Human: Hi")."""
+    return text.removeprefix(" ")
 
 
 def _shared(a, b) -> int:

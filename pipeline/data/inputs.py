@@ -12,6 +12,7 @@ import codecs
 import glob
 import io
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,6 +226,19 @@ class Dropped:
                 break
             rows += 1
         return rows
+
+    def refusal(self, key: str, *, rows: int, max_share: float) -> str | None:
+        """Why a data path of `rows` rows read (kept and dropped) is refused when more than `max_share` of them hold
+        no text: so many empty rows say the file is not what it seems (an export gone wrong), not a few blanks. None
+        within the bound."""
+        share = len(self.positions) / rows if rows else 0.0
+        if share <= max_share:
+            return None
+        return (
+            f"{key}: {len(self.positions)} of {rows} row(s) ({share:.1%}) hold no text (null or empty, or an empty "
+            f"conversation), more than data.max_bad_rows={max_share} of them; the first: {self.places[0]}; expected "
+            f"rows with text, or -S data.max_bad_rows={math.ceil(share * 100) / 100} to drop them"
+        )
 
     def warning(self, key: str) -> str | None:
         """What the check says of them (None when there are none)."""

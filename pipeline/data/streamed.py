@@ -242,15 +242,15 @@ def _nbytes(rows: Blocks | Examples | Pairs, indices: np.ndarray) -> int:
 
 def tokenized(
     spec: str, job: parts.Job, *, work: Path, heldout_fraction: float | None, workers: int, chunk_chars: int
-) -> tuple[int, list[dict], float]:
+) -> tuple[int, list[dict], float, dict]:
     """Tokenize the items of data path `spec` (less the last `heldout_fraction` of them, when given: then counted
-    first) into parts under `work`; (items, the parts' summaries, seconds). A bad line stops it with its file and
-    line; the check stage has read every input before (once: see `verified`). Rows with no text are dropped by the
-    workers, so the items are cut after the rows that hold the kept ones the held-out boundary leaves for training:
-    the same items as `verify` counts and the eval_set stage holds out."""
-    limit = None
+    first) into parts under `work`; (items, the parts' summaries, seconds, the rows dropped for holding no text in
+    the training part and, when given, in the held-out part). A bad line stops it with its file and line; the check
+    stage has read every input before (once: see `verified`). Rows with no text are dropped by the workers, so the
+    items are cut after the rows that hold the kept ones the held-out boundary leaves for training: the same items
+    as `verify` counts and the eval_set stage holds out."""
+    limit, dropped = None, Dropped()
     if heldout_fraction is not None:
-        dropped = Dropped()
         total = verify(spec, job.data_format, dropped=dropped)
         limit = dropped.rows_for(total - held_out_count(total, heldout_fraction))
     parts.prepare(work, parts.key(job, inputs=stored_files(spec), limit=limit, chunk_chars=chunk_chars))
@@ -266,7 +266,10 @@ def tokenized(
     count = sum(s["items"] for s in summaries)
     if count == 0:
         raise ValueError(f"{spec}: data file is empty")
-    return count, summaries, time.perf_counter() - start
+    rows = {"training_part": sum(s.get("dropped_rows", 0) for s in summaries)}
+    if limit is not None:  # the file's tail, held out: eval_set's rows, whose dropped ones no worker sees
+        rows["heldout_part"] = sum(1 for position in dropped.positions if position >= limit)
+    return count, summaries, time.perf_counter() - start, rows
 
 
 def _pad_id(tokenizer_dir: Path) -> int:
@@ -320,17 +323,17 @@ def build(
     chunk_chars: int,
 ) -> dict:
     """Write the dataset of `train_file` (less its last `heldout_fraction` when given) into `out`; its figures:
-    documents, rows dropped for holding no text, tokens, blocks, padded and dropped tokens (text), examples,
-    truncated and dropped examples (SFT) or pairs, truncated and dropped pairs (preference: a row is a pair), rows per
-    split, the train split's masked fraction (of the chosen side's labels for pairs), and tokens/s (per core)."""
+    documents, rows dropped for holding no text (of the training part, and of the held-out part when it is the
+    file's tail), tokens, blocks, padded and dropped tokens (text), examples, truncated and dropped examples (SFT) or
+    pairs, truncated and dropped pairs (preference: a row is a pair), rows per split, the train split's masked
+    fraction (of the chosen side's labels for pairs), and tokens/s (per core)."""
     p = packing
     job = parts.Job(str(tokenizer_dir), p.data_format, p.template, p.max_seq_len)
-    count, summaries, seconds = tokenized(
+    count, summaries, seconds, dropped_rows = tokenized(
         train_file, job, work=work, heldout_fraction=heldout_fraction, workers=workers, chunk_chars=chunk_chars
     )
     indices = [s["index"] for s in summaries]
-    figures: dict = {"documents": count, "tokens": sum(s["tokens"] for s in summaries)}
-    figures["dropped_rows"] = sum(s.get("dropped_rows", 0) for s in summaries)
+    figures: dict = {"documents": count, "tokens": sum(s["tokens"] for s in summaries), "dropped_rows": dropped_rows}
     if job.family == "text" and p.packing == "documents":
         ids = Stream([parts.array_path(work, i, "ids") for i in indices])
         lengths = Stream([parts.array_path(work, i, "lengths") for i in indices])
@@ -362,11 +365,11 @@ def build_mix(
         raise ValueError("data.packing: documents takes data.train_file; a weighted mix (data.sources) packs blocks")
     for i, source in enumerate(sources):  # every source found before any is tokenized
         mixing.check_source(source, f"data.sources.{i}")
-    counts, streams, labels, lengths, summaries, seconds = [], [], [], [], [], 0.0
+    counts, streams, labels, lengths, summaries, seconds, dropped_rows = [], [], [], [], [], 0.0, 0
     for i, source in enumerate(sources):
         job = parts.Job(str(tokenizer_dir), source.format, p.template, p.max_seq_len)
         folder = work / f"source_{i}"
-        count, done, spent = tokenized(
+        count, done, spent, dropped = tokenized(
             str(source.file),
             job,
             work=folder,
@@ -386,11 +389,12 @@ def build_mix(
         counts.append(count)
         summaries += done
         seconds += spent
+        dropped_rows += dropped["training_part"]  # a source is trained whole: no held-out part
     shares = mixing.planned_shares(sources)
     mix = mixing.choose(lengths, shares, p.seed)
     ids = Mixed(streams, lengths, mix)
     figures: dict = {"documents": len(mix) if p.data_format == "text" else sum(counts), "tokens": len(ids)}
-    figures["dropped_rows"] = sum(s.get("dropped_rows", 0) for s in summaries)
+    figures["dropped_rows"] = {"training_part": dropped_rows}
     if p.data_format == "text":
         rows, shape = _blocks(ids, p, tokenizer_dir)
         figures |= shape

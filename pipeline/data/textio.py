@@ -49,8 +49,13 @@ def stream(spec: Path | str, data_format: str, *, dropped: Dropped | None = None
 
 def verify(spec: Path | str, data_format: str, *, dropped: Dropped | None = None) -> int:
     """`read_data`'s checks, with its errors, an item at a time (memory of one line, not of the file); how many
-    documents or rows the path holds, rows with no text left out (noted in `dropped`)."""
+    documents or rows the path holds, rows with no text left out (noted in `dropped`); refused when none is left."""
     count = sum(1 for _ in stream(spec, data_format, dropped=dropped))
+    if count == 0 and dropped is not None and dropped.positions:  # "empty" would hide the rows the file does hold
+        raise ValueError(
+            f"{spec}: none of its {len(dropped.positions)} row(s) holds text (null or empty, or an empty "
+            f"conversation; the first: {dropped.places[0]}); expected rows with text"
+        )
     if count == 0:
         raise ValueError(f"{spec}: data file is empty")
     return count

@@ -2,8 +2,8 @@
 Stanford Alpaca's `alpaca_data.json` (an indented JSON array, non-ASCII escaped), OpenAI's fine-tuning `messages`
 JSONL (with a system turn), LLaMA-Factory's ShareGPT (`conversations` of `from`/`value` turns, human/gpt, an optional
 `system`) and its ShareGPT pairs, TRL's prompt-completion rows for SFT and its preference rows (standard and
-conversational, with an explicit or an implicit prompt), plain text; each in any container (JSON array, JSONL,
-Parquet, compressed, a folder of shards)."""
+conversational, with an explicit or an implicit prompt), Anthropic's hh-rlhf pairs (two whole dialogues), plain text;
+each in any container (JSON array, JSONL, Parquet, compressed, a folder of shards)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,23 @@ def sharegpt_pairs(texts: list[str]) -> list[dict]:
     ]
 
 
+def hh_dialogue(rounds: list[tuple[str, str]]) -> str:
+    """A whole dialogue as Anthropic's hh-rlhf writes it, each (human, assistant) round after its markers."""
+    return "".join(f"\n\nHuman: {human}\n\nAssistant: {assistant}" for human, assistant in rounds)
+
+
+def anthropic_hh(texts: list[str]) -> list[dict]:
+    """Anthropic's hh-rlhf rows: chosen and rejected each the whole dialogue, sharing every turn but the last
+    Assistant response (two rounds here)."""
+    return [
+        {
+            "chosen": hh_dialogue([(q, b[:12]), ("And then?", a)]),
+            "rejected": hh_dialogue([(q, b[:12]), ("And then?", b)]),
+        }
+        for q, a, b in answers(texts)
+    ]
+
+
 def plain_text(texts: list[str]) -> list[str]:
     return list(texts)
 
@@ -143,6 +160,7 @@ FORMATS = {  # name -> (how the rows are made, the data.format they are)
     "trl_implicit": (trl_implicit, "preference"),
     "trl_implicit_conversational": (trl_implicit_conversational, "preference"),
     "sharegpt_pairs": (sharegpt_pairs, "preference"),
+    "anthropic_hh": (anthropic_hh, "preference"),
 }
 CONTAINERS = ("json", "jsonl", "parquet", "gz", "zst", "bz2", "folder")
 

@@ -39,7 +39,8 @@ def test_rows_read_as_their_ecosystem_means_them(texts):
     """Each format's rows in our form, as the ecosystem defines them: Alpaca and OpenAI rows as they are; ShareGPT's
     human/gpt turns as user/assistant after its system prompt; TRL's conversational pairs as the prompt conversation
     and the assistant contents; its implicit prompt as the shared beginning (the space before the answers going to
-    them, as trl's extract_prompt does), prompt + response giving back each whole text."""
+    them, as trl's extract_prompt does), prompt + response giving back each whole text; Anthropic's hh-rlhf dialogues
+    as the turns before the last Assistant one and the two answers after it."""
     at = "f:1"
     alpaca = user_data.stanford_alpaca(texts)[0]
     assert formats.canonical(alpaca, "alpaca", at) == alpaca
@@ -70,6 +71,16 @@ def test_rows_read_as_their_ecosystem_means_them(texts):
         "chosen": implicit["chosen"][1]["content"],
         "rejected": implicit["rejected"][1]["content"],
     }
+    for hh, (question, answer, other) in zip(user_data.anthropic_hh(texts), user_data.answers(texts), strict=True):
+        assert formats.canonical(hh, "preference", at) == {
+            "messages": [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": other[:12]},
+                {"role": "user", "content": "And then?"},
+            ],
+            "chosen": answer,
+            "rejected": other,
+        }
     llama_factory = user_data.sharegpt_pairs(texts)[0]
     assert formats.canonical(llama_factory, "preference", at) == {
         "messages": [{"role": "user", "content": llama_factory["conversations"][0]["value"]}],

@@ -8,10 +8,13 @@ from __future__ import annotations
 import codecs
 import gzip
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from pipeline.check import check, check_file
 from pipeline.core import config
@@ -48,7 +51,7 @@ def test_a_leading_byte_order_mark_is_not_text(tmp_path, name, content, data_for
     assert list(items(marked, data_format)) == list(items(plain, data_format))
     assert list(items(marked, data_format, deferred=True))[-1:] != []  # the stage's reading starts as well
     assert verify(marked, data_format) == verify(plain, data_format) == 2
-    assert check_file("data.train_file", str(marked), data_format) is None
+    assert check_file("data.train_file", str(marked), data_format, max_bad_rows=0.0) is None
     if data_format == "text":
         assert list(items(marked, "text"))[0] == "中国人民站起来了。"
 
@@ -59,7 +62,7 @@ def test_only_the_file_s_leading_mark_is_dropped(tmp_path):
     assert list(items(tmp_path / "notes.txt", "text")) == ["first", "\ufeffsecond"]
     (tmp_path / "rows.jsonl").write_bytes(BOM + _jsonl(ALPACA[:1]).encode() + BOM + _jsonl(ALPACA[1:]).encode())
     with pytest.raises(ValueError, match=r"rows.jsonl:2: invalid JSON \(Unexpected UTF-8 BOM"):
-        check_file("data.train_file", str(tmp_path / "rows.jsonl"), "alpaca")
+        check_file("data.train_file", str(tmp_path / "rows.jsonl"), "alpaca", max_bad_rows=0.01)
 
 
 EMPTY_ROWS = [  # (format, a row of it with no text)
@@ -93,7 +96,7 @@ def test_a_row_with_no_text_is_dropped_counted_and_named(tmp_path, data_format, 
     assert list(items(path, data_format, dropped=dropped)) == list(items(path, data_format))[:2]
     assert len(list(items(path, data_format))) == verify(path, data_format) == 2
     assert dropped.positions == [1, 3]
-    assert check_file("data.train_file", str(path), data_format) == (
+    assert check_file("data.train_file", str(path), data_format, max_bad_rows=0.5) == (  # 2 of 4: within the bound
         f"data.train_file: 2 row(s) with no text (null or empty, or an empty conversation) dropped: {path}:2, {path}:4"
     )
 
@@ -101,14 +104,14 @@ def test_a_row_with_no_text_is_dropped_counted_and_named(tmp_path, data_format, 
 def test_the_warning_names_the_first_rows_in_every_container(tmp_path):
     rows = [ALPACA[1], *[{"instruction": "Summarise.", "output": None}] * 7]
     (tmp_path / "rows.json").write_text(json.dumps(rows, indent=2), encoding="utf-8")
-    assert check_file("data.train_file", str(tmp_path / "rows.json"), "alpaca") == (
+    assert check_file("data.train_file", str(tmp_path / "rows.json"), "alpaca", max_bad_rows=1.0) == (
         "data.train_file: 7 row(s) with no text (null or empty, or an empty conversation) dropped: "
         + ", ".join(f"{tmp_path / 'rows.json'}:element {n} (line {2 + 4 * (n - 1)})" for n in range(2, 7))
         + ", ..."
     )
     pq.write_table(pa.Table.from_pylist([ALPACA[1], {"instruction": "Summarise.", "output": ""}]), tmp_path / "r.pq")
     (tmp_path / "rows.parquet").write_bytes((tmp_path / "r.pq").read_bytes())
-    warning = check_file("data.train_file", str(tmp_path / "rows.parquet"), "alpaca")
+    warning = check_file("data.train_file", str(tmp_path / "rows.parquet"), "alpaca", max_bad_rows=1.0)
     assert warning.endswith(f"dropped: {tmp_path / 'rows.parquet'}:row 2")
 
 
@@ -129,14 +132,15 @@ def test_a_malformed_row_is_still_refused_with_file_and_line(tmp_path, data_form
     empty = next(row for name, row in EMPTY_ROWS if name == data_format)
     path.write_text(_jsonl([GOOD[data_format], empty, bad]), encoding="utf-8")
     with pytest.raises(ValueError, match=f"data.train_file: .*{message}"):
-        check_file("data.train_file", str(path), data_format)
+        check_file("data.train_file", str(path), data_format, max_bad_rows=1.0)
 
 
 def test_check_warns_of_the_dropped_rows_once(tmp_path, tiny_base_dir):
     """`check` (the check stage's call) reads data=own's file under three keys (training data, held-out part,
-    in-domain set) and warns once; the file is not remembered as verified, so the next check warns again."""
+    in-domain set) and warns once; the file is not remembered as verified, so the next check warns again. One row
+    in 123 is within the default data.max_bad_rows."""
     path = tmp_path / "rows.jsonl"
-    path.write_text(_jsonl([*ALPACA * 10, {"instruction": "Summarise.", "output": None}, *ALPACA]), encoding="utf-8")
+    path.write_text(_jsonl([*ALPACA * 60, {"instruction": "Summarise.", "output": None}, *ALPACA]), encoding="utf-8")
     overrides = [f"model.path={tiny_base_dir}", "launcher.accelerator=cpu", "tracking.uri="]
     overrides += ["data=own", f"data.train_file={path}", "data.max_seq_len=256"]
     cfg = config.Config(**config.compose(REPO / "conf", overrides))
@@ -146,6 +150,54 @@ def test_check_warns_of_the_dropped_rows_once(tmp_path, tiny_base_dir):
     assert found.errors == []
     dropped = [w for w in found.warnings if "with no text" in w]
     assert dropped == [
-        f"data.train_file: 1 row(s) with no text (null or empty, or an empty conversation) dropped: {path}:21"
+        f"data.train_file: 1 row(s) with no text (null or empty, or an empty conversation) dropped: {path}:121"
     ]
     assert not any(str(path) in identity for identity in found.verified)
+
+
+def test_more_rows_with_no_text_than_data_max_bad_rows_refuse_the_file(tmp_path):
+    """Past data.max_bad_rows (a share of the file's rows, kept and dropped) the rows with no text say the file is not
+    what it seems: the check refuses it with the count, the first such row and the value that would drop them; at the
+    bound it warns. A file of no row with text is refused as such at any bound, not as an empty file."""
+    path = tmp_path / "rows.jsonl"
+    empty = {"instruction": "Summarise.", "output": None}
+    path.write_text(_jsonl([*ALPACA * 2, empty, *ALPACA * 46, ALPACA[0], empty, empty]), encoding="utf-8")  # 3 of 100
+    warning = check_file("data.train_file", str(path), "alpaca", max_bad_rows=0.03)
+    assert warning.startswith("data.train_file: 3 row(s) with no text") and warning.endswith(f"{path}:100")
+    with pytest.raises(ValueError) as refused:
+        check_file("data.train_file", str(path), "alpaca", max_bad_rows=0.02)
+    assert str(refused.value) == (
+        "data.train_file: 3 of 100 row(s) (3.0%) hold no text (null or empty, or an empty conversation), more than "
+        f"data.max_bad_rows=0.02 of them; the first: {path}:5; expected rows with text, or -S data.max_bad_rows=0.03 "
+        "to drop them"
+    )
+    with pytest.raises(
+        ValueError, match=f"3 of 100 row.* more than data.max_bad_rows=0.0 of them; the first: {path}:5"
+    ):
+        check_file("data.train_file", str(path), "alpaca", max_bad_rows=0.0)
+    path.write_text(_jsonl([empty] * 2), encoding="utf-8")  # not "empty": the file holds rows, none with text
+    with pytest.raises(ValueError, match=r"rows.jsonl: none of its 2 row\(s\) holds text \(null or empty, or an"):
+        check_file("data.train_file", str(path), "alpaca", max_bad_rows=1.0)
+
+
+def test_the_check_stage_refuses_past_the_bound_without_a_traceback(tmp_path, tiny_base_dir):
+    """The check stage (as dvc runs it) exits 2 with the refusal, said once for the file read under three keys, no
+    traceback, and writes nothing."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_jsonl([*ALPACA * 10, {"instruction": "Summarise.", "output": None}, *ALPACA]), encoding="utf-8")
+    overrides = [f"model.path={tiny_base_dir}", "launcher.accelerator=cpu", "tracking.uri="]
+    overrides += ["data=own", f"data.train_file={path}", "data.max_seq_len=256"]
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump(config.compose(REPO / "conf", overrides)), encoding="utf-8")
+    out = tmp_path / "checked.json"
+    command = [sys.executable, "-m", "stages.check", "--params", str(params), "--out", str(out)]
+    done = subprocess.run(
+        [*command, "--produced", str(REPO / "data" / "corpus")], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        "data.train_file: 1 of 23 row(s) (4.3%) hold no text (null or empty, or an empty conversation), more than "
+        f"data.max_bad_rows=0.01 of them; the first: {path}:21; expected rows with text, or -S data.max_bad_rows=0.05"
+    ) in done.stderr
+    assert done.stderr.count("hold no text") == 1  # read as data.train_file, data.heldout_file, eval.sets.in_domain
+    assert not out.exists()

@@ -20,6 +20,7 @@ from pipeline.data.textio import read_data
 from pipeline.data.tokenizer import load_tokenizer
 from tests.conftest import REPO
 from tests.helpers.datasets import build_sft
+from tests.helpers.user_data import hh_dialogue
 from tests.unit.data.test_streamed import folder_bytes, packing, stream
 
 
@@ -113,7 +114,9 @@ def test_pairs_are_cut_at_max_seq_len_and_dropped_together(smol):
 def test_messages_need_a_chat_template(sp_tokenizer_dir):
     tokenizer = load_tokenizer(sp_tokenizer_dir)
     assert preference_arrays(tokenizer, PAIRS[:1], template="alpaca", max_seq_len=64)[1]["pairs"] == 1
-    with pytest.raises(ValueError, match="rows with 'messages' need a tokenizer with a chat template"):
+    with pytest.raises(
+        ValueError, match=r"rows with a conversation \('messages', .*\) need a tokenizer with a chat template"
+    ):
         preference_arrays(tokenizer, PAIRS, template="alpaca", max_seq_len=64)
 
 
@@ -131,6 +134,11 @@ def test_messages_need_a_chat_template(sp_tokenizer_dir):
             r"pref.jsonl:3: both 'prompt' and 'messages'; expected one of them",
         ),
         (
+            {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hey\n\nAssistant: Go away."},
+            r"pref.jsonl:3: 'chosen' and 'rejected' are Anthropic HH dialogues .* that differ before their last "
+            r"Assistant turn \('i' against 'ey'\)",
+        ),  # hh-rlhf's two dialogues share every turn but the last answer
+        (
             {"prompt": 3, "chosen": "a", "rejected": "b"},
             r"pref.jsonl:3: 'prompt' must be a string or a message list, got int",
         ),
@@ -147,7 +155,7 @@ def test_a_bad_row_is_refused_with_file_and_line(tmp_path, row, message):
     with pytest.raises(ValueError, match=message):
         read_data(path, "preference")
     with pytest.raises(ValueError, match=f"data.train_file: .*{message}"):
-        check_file("data.train_file", str(path), "preference")  # the check stage, before anything runs
+        check_file("data.train_file", str(path), "preference", max_bad_rows=0.01)  # the check stage, before all
 
 
 def test_parquet_pairs_are_read_and_checked(tmp_path):
@@ -195,6 +203,38 @@ def pair_rows(texts: list[str]) -> list[dict]:
             prompt, rejected = texts[i][: 4 * (1 + i % 8)], texts[i + 2][: 4 + 8 * (i % 4)]
             rows.append({"prompt": prompt, "chosen": texts[i + 1][:8], "rejected": rejected})
     return rows
+
+
+def test_anthropic_hh_pairs_train_the_last_answer_after_the_conversation(tmp_path, smol, smol_tokenizer_dir):
+    """hh-rlhf's rows (two whole dialogues sharing every turn but the last answer) cache as the pair they mean: the
+    prompt is the conversation up to the last Assistant turn, rendered by the chat template, and each side trains
+    exactly its answer, even where the answers begin alike (1899/1889 share "18", where a character prefix cut)."""
+    first, question = ("Who wrote Dracula?", "Bram Stoker."), "When was it first published?"
+    answers = [("It was first published in 1897.", "It was first published in 1899."), ("1899.", "1889.")]
+    rows = [
+        {"chosen": hh_dialogue([first, (question, good)]), "rejected": hh_dialogue([first, (question, bad)])}
+        for good, bad in answers
+    ]
+    (tmp_path / "hh.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    out, figures = stream(tmp_path, smol_tokenizer_dir, tmp_path / "hh.jsonl", packing("preference"))
+    assert (figures["pairs"], figures["truncated_pairs"], figures["dropped_pairs"]) == (2, 0, 0)
+    conversation = [
+        {"role": "user", "content": first[0]},
+        {"role": "assistant", "content": first[1]},
+        {"role": "user", "content": question},
+    ]
+    prompt = smol.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith(f"{question}<|im_end|>\n<|im_start|>assistant\n")
+    found = set()
+    for split in ("train", "validation"):
+        cached = SplitRows(out / split)
+        for k in range(len(cached)):
+            row = cached[np.int64(k)]
+            sides = [(row["input_ids"], row["labels"]), (row["rejected_input_ids"], row["rejected_labels"])]
+            for ids, labels in sides:
+                assert smol.decode(prompt_tokens(ids, labels)) == prompt  # the conversation, untrained, whole
+            found.add(tuple(trained(smol, ids, labels) for ids, labels in sides))
+    assert found == {(good + "<|im_end|>\n", bad + "<|im_end|>\n") for good, bad in answers}
 
 
 def test_streamed_pairs_do_not_depend_on_workers_or_chunks(tmp_path, smol, smol_tokenizer_dir, peoples_daily):
