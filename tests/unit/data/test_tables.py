@@ -57,7 +57,7 @@ def test_a_csv_s_text_column_is_the_text_and_nothing_else(tmp_path, name):
     assert detected_format(path) == "text"
     assert list(items(path, "text")) == texts_of(DOCUMENTS)  # no header, id or source among them
     assert verify(path, "text") == 3
-    assert check_file("data.train_file", str(path), "text") is None
+    assert check_file("data.train_file", str(path), "text", max_bad_rows=0.01) is None
     assert unused_columns(path, "text") == ["id", "source"]
     assert list(items(path, "jsonl")) == DOCUMENTS  # every cell the string it holds: "007" stays "007"
 
@@ -79,22 +79,22 @@ def test_an_empty_cell_is_a_dropped_row_and_a_broken_row_is_refused(tmp_path):
     python_csv(path, [DOCUMENTS[0], {"id": "2", "text": "", "source": "web"}, DOCUMENTS[2]])
     dropped = Dropped()
     assert list(items(path, "text", dropped=dropped)) == texts_of([DOCUMENTS[0], DOCUMENTS[2]])
-    assert check_file("data.train_file", str(path), "text").endswith(f"dropped: {path}:row 2")
+    assert check_file("data.train_file", str(path), "text", max_bad_rows=1.0).endswith(f"dropped: {path}:row 2")
     (tmp_path / "bad.csv").write_text("id,text\n1,fine\n2,a, stray comma\n", encoding="utf-8")
     with pytest.raises(
         ValueError,
         match=r"train_file: .*bad.csv: CSV parse error: Row #3: Expected 2 columns, got 3: 2,a, stray comma; expected",
     ):
-        check_file("data.train_file", str(tmp_path / "bad.csv"), "text")
+        check_file("data.train_file", str(tmp_path / "bad.csv"), "text", max_bad_rows=0.01)
     python_csv(tmp_path / "long.csv", [DOCUMENTS[0], {**DOCUMENTS[1], "text": "a, b\n" * (tables.CSV_BLOCK // 2)}])
     with pytest.raises(ValueError, match=r"long.csv: a row longer than 4 MB \(after row 1\); expected shorter rows"):
-        check_file("data.train_file", str(tmp_path / "long.csv"), "text")
+        check_file("data.train_file", str(tmp_path / "long.csv"), "text", max_bad_rows=0.01)
     python_csv(tmp_path / "rows.csv", [{"instruction": row["instruction"]} for row in ALPACA])
     with pytest.raises(ValueError, match=r"rows.csv: no column\(s\) 'output' \(it has \['instruction'\]\)"):
-        check_file("data.train_file", str(tmp_path / "rows.csv"), "alpaca")
+        check_file("data.train_file", str(tmp_path / "rows.csv"), "alpaca", max_bad_rows=0.01)
     python_csv(tmp_path / "chat.csv", [{"messages": ""}, {"messages": '[{"role": "user", "content": "Hi"}]'}])
     with pytest.raises(ValueError, match=r"chat.csv:row 2: 'messages' must be a non-empty list of messages"):
-        check_file("data.train_file", str(tmp_path / "chat.csv"), "chat")
+        check_file("data.train_file", str(tmp_path / "chat.csv"), "chat", max_bad_rows=0.01)
 
 
 def test_streamed_build_of_a_csv_trains_the_text_column_only(tmp_path, smol_tokenizer_dir):
@@ -131,7 +131,7 @@ def test_a_saved_dataset_and_a_bare_arrow_file_are_their_rows(tmp_path):
         assert detected_format(path) == "alpaca"
         assert list(items(path, "alpaca")) == ALPACA * 3
         assert verify(path, "alpaca") == 6
-        assert check_file("data.train_file", str(path), "alpaca") is None
+        assert check_file("data.train_file", str(path), "alpaca", max_bad_rows=0.01) is None
     assert [p.name for p in stored_files(tmp_path / "saved")] == [
         "data-00000-of-00001.arrow",
         "dataset_info.json",
@@ -189,4 +189,4 @@ def test_a_folder_of_datasets_layout_that_is_no_saved_dataset_is_refused(tmp_pat
     Dataset.from_list(ALPACA).save_to_disk(str(tmp_path / "mixed" / "saved"))
     (tmp_path / "mixed" / "rows.jsonl").write_text(json.dumps(ALPACA[0]) + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"mixed/saved inside it is datasets' layout .* named on its own"):
-        check_file("data.train_file", str(tmp_path / "mixed"), "alpaca")
+        check_file("data.train_file", str(tmp_path / "mixed"), "alpaca", max_bad_rows=0.01)
