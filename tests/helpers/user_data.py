@@ -73,7 +73,7 @@ def trl_conversational_prompt_completion(texts: list[str]) -> list[dict]:
         {
             "prompt": [
                 {"role": "user", "content": q},
-                {"role": "assistant", "content": b},
+                {"role": "assistant", "content": b[:12]},
                 {"role": "user", "content": "Again, please."},
             ],
             "completion": [{"role": "assistant", "content": a}],
