@@ -130,7 +130,9 @@ def data_findings(
             columns = tuple(unused_columns(path, read_as)) if read_as != "texts" else ()
             if columns and (columns, read_as) not in unread:  # said once, as the first key naming them
                 names = ", ".join(repr(c) for c in columns)
-                unread[columns, read_as] = f"{key}: column(s) {names} are not used by data.format={read_as}"
+                unread[columns, read_as] = (
+                    f"{key}: column(s) {names} are not used by data.format={read_as}"  # a table's, or JSON rows' fields
+                )
         except (ValueError, FileNotFoundError) as err:
             errors.append(f"{key}: {err}")
             continue

@@ -89,16 +89,16 @@ def canonical(row: dict, data_format: str, at: str) -> dict | str:
 
 READ = {  # per format, every field a row of it may have read (the others are not trained on)
     "text": ("text",),
-    "alpaca": ("instruction", "input", "output"),
-    "chat": ("messages", "conversations", "system"),
+    "alpaca": ("instruction", "input", "output", "system", "history"),
+    "chat": ("messages", "conversations", "system", "tools"),
     "prompt_completion": ("prompt", "completion"),
     "preference": ("prompt", "messages", "conversations", "system", "instruction", "input", "chosen", "rejected"),
 }
 
 
 def unused(columns: list[str], data_format: str) -> list[str]:
-    """The `columns` (of a table) that `data_format` does not read: said by the check, so that none is silently
-    left out of training."""
+    """The `columns` (of a table, or a JSON file's first row) that `data_format` does not read: said by the check, so
+    that none is silently left out of training."""
     return [column for column in columns if column not in READ.get(data_format, columns)]
 
 

@@ -342,9 +342,22 @@ def _table_items(path: Path, data_format: str) -> Iterator:
 
 
 def unused_columns(spec: Path | str, data_format: str) -> list[str]:
-    """The columns of a data path's tables that `data_format` does not read (`formats.unused`), each once."""
-    names = [c for path in data_files(spec) if kind(path) in tables.TABLES for c in tables.columns(path, kind(path))]
+    """The columns of a data path's tables, and the fields of its JSON files' first rows, that `data_format` does not
+    read (`formats.unused`), each once."""
+    names = [name for path in data_files(spec) for name in _columns(path)]
     return formats.unused(list(dict.fromkeys(names)), data_format)
+
+
+def _columns(path: Path) -> list[str]:
+    """A table's columns; a JSON file's (JSONL or array) first row's fields; none for plain text."""
+    if kind(path) in tables.TABLES:
+        return tables.columns(path, kind(path))
+    if kind(path) == "text":
+        return []
+    if is_array(path):
+        return next((list(row) for _, _, row in json_elements(path)), [])
+    number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
+    return list(_json_row(path, number, line)) if number else []
 
 
 def heldout_path(train_file: str, heldout_file: str) -> str | None:

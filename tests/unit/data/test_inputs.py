@@ -201,3 +201,19 @@ def test_the_check_stage_refuses_past_the_bound_without_a_traceback(tmp_path, ti
     ) in done.stderr
     assert done.stderr.count("hold no text") == 1  # read as data.train_file, data.heldout_file, eval.sets.in_domain
     assert not out.exists()
+
+
+def test_the_fields_a_json_file_s_format_does_not_read_are_named(tmp_path):
+    """Nothing silent in JSON rows either: the fields of a JSONL or JSON array file's first row that its format does
+    not read (an OpenAI row's metadata, an id) are named, those the format reads (LLaMA-Factory's system and history,
+    OpenAI's tools) are not."""
+    from pipeline.data.inputs import unused_columns
+
+    alpaca = {"instruction": "Hi.", "input": "", "output": "Hello.", "system": "Be kind.", "history": [], "id": 7}
+    (tmp_path / "alpaca.jsonl").write_text(json.dumps(alpaca) + "\n", encoding="utf-8")
+    chat = {"messages": [{"role": "user", "content": "Hi."}], "tools": [], "parallel_tool_calls": False}
+    (tmp_path / "chat.json").write_text(json.dumps([chat, {**chat, "metadata": {}}], indent=4), encoding="utf-8")
+    (tmp_path / "plain.txt").write_text("a document\n", encoding="utf-8")
+    assert unused_columns(tmp_path / "alpaca.jsonl", "alpaca") == ["id"]
+    assert unused_columns(tmp_path / "chat.json", "chat") == ["parallel_tool_calls"]
+    assert unused_columns(tmp_path / "plain.txt", "text") == []
