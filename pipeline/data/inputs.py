@@ -155,27 +155,34 @@ def detected_format(spec: Path | str) -> str:
         if row is None:
             raise ValueError(f"{path}: data file is empty")
         return formats.detect(row, formats.where(path, "row 1"))
-    if kind(path) != "text" and is_array(path):
-        for number, line, row in json_elements(path):
-            return formats.detect(row, formats.where(path, f"element {number} (line {line})"))
-        raise ValueError(f"{path}: data file is empty (an empty JSON array)")
+    if kind(path) != "text":
+        if (first := _first_json_row(path)) is None:
+            raise ValueError(f"{path}: data file is empty" + (" (an empty JSON array)" if is_array(path) else ""))
+        return formats.detect(*first)
     number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
     if not number:
         raise ValueError(f"{path}: data file is empty")
-    if kind(path) == "text":  # plain text, unless its lines are JSON rows (read as their format, as JSONL is)
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            return "text"
-        if not isinstance(row, dict):
-            return "text"
-        if (found := formats.detect(row, formats.where(path, number))) == "text":
-            raise ValueError(
-                f"{path}:{number}: a JSON object with 'text' in a plain text file; expected one document per line, or "
-                "its rows in a .jsonl file (their 'text' fields are read then)"
-            )
-        return found
-    return formats.detect(_json_row(path, number, line), formats.where(path, number))
+    try:  # plain text, unless its lines are JSON rows (read as their format, as JSONL is)
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return "text"
+    if not isinstance(row, dict):
+        return "text"
+    if (found := formats.detect(row, formats.where(path, number))) == "text":
+        raise ValueError(
+            f"{path}:{number}: a JSON object with 'text' in a plain text file; expected one document per line, or "
+            "its rows in a .jsonl file (their 'text' fields are read then)"
+        )
+    return found
+
+
+def _first_json_row(path: Path) -> tuple[dict, str] | None:
+    """A JSON file's (an array or JSONL) first row and how errors name it; None for a file without one."""
+    if is_array(path):
+        elements = json_elements(path)
+        return next(((row, formats.where(path, f"element {n} (line {line})")) for n, line, row in elements), None)
+    number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
+    return (_json_row(path, number, line), formats.where(path, number)) if number else None
 
 
 def resolved_format(data_format: str, spec: Path | str, sources: list[str] | None = None) -> str:
@@ -354,10 +361,8 @@ def _columns(path: Path) -> list[str]:
         return tables.columns(path, kind(path))
     if kind(path) == "text":
         return []
-    if is_array(path):
-        return next((list(row) for _, _, row in json_elements(path)), [])
-    number, line = next(((n, line) for n, line in lines(path) if line.strip()), (0, ""))
-    return list(_json_row(path, number, line)) if number else []
+    first = _first_json_row(path)
+    return list(first[0]) if first else []
 
 
 def heldout_path(train_file: str, heldout_file: str) -> str | None:

@@ -6,11 +6,11 @@ Only the files a causal LM's import needs are fetched: config, tokenizer, safete
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from pipeline.core import assets
+from pipeline.core.atomic import read_json
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name, as the Hub spells repository ids
 DESCRIBING = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt"]  # config, generation config, tokenizer files
@@ -79,7 +79,7 @@ def recorded(checked: Path) -> dict:
     """The hub model the check stage's output `checked` records ({} where it records none, or does not exist)."""
     if not checked.is_file():
         return {}
-    return json.loads(checked.read_text()).get("model", {})
+    return read_json(checked).get("model", {})
 
 
 def base_source(path: str, *, checked: Path, weights: bool) -> Path:

@@ -44,6 +44,24 @@ def _check(pinned: dict, *overrides: str):
     return check(cfg, defaults=defaults, produced=produced, known=set(), tokenizer_memo=None, pinned=pinned)
 
 
+def _imported(source, *, out, tokenizer_dir):
+    """The base stage's import of the snapshot folder `source` into `out`."""
+    from pipeline.model.base_import import import_base
+
+    import_base(source=source, out_dir=out, tokenizer_dir=tokenizer_dir, dtype="float32", max_shard_size="2GB")
+    return out
+
+
+def _same_model(folder, reference) -> bool:
+    """Whether from_pretrained loads `folder` tensor for tensor equal to `reference`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    got = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).state_dict()
+    return got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
 def test_what_names_a_hub_repository(tmp_path, monkeypatch):
     from pipeline.model.hub import is_hub_id
 
@@ -62,10 +80,7 @@ def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(
     its tokenizer on the data's first rows) and records the commit; the stages after the check read that snapshot,
     weights included, however refs/main has moved since, and import it (the cache's files are links to its blobs)
     into a base that from_pretrained loads equal to the snapshot's model."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from pipeline.model.base_import import import_base
     from pipeline.model.hub import base_source
 
     first = add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["qwen3"], commit=FIRST)
@@ -76,17 +91,9 @@ def test_the_check_resolves_a_cached_hub_id_and_records_its_commit(
     add_snapshot(hub_cache, repo_id=REPO_ID, folder=architecture_dirs["llama"], commit=SECOND)  # main moved on
     source = base_source(REPO_ID, checked=checked, weights=True)
     assert source == first and (source / "model.safetensors").is_file()
-    import_base(
-        source=source,
-        out_dir=tmp_path / "base",
-        tokenizer_dir=smol_tokenizer_dir,
-        dtype="float32",
-        max_shard_size="2GB",
-    )
-    assert not any(path.is_symlink() for path in (tmp_path / "base").iterdir())
-    imported = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
-    expected = AutoModelForCausalLM.from_pretrained(architecture_dirs["qwen3"], dtype=torch.float32).state_dict()
-    assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
+    base = _imported(source, out=tmp_path / "base", tokenizer_dir=smol_tokenizer_dir)
+    assert not any(path.is_symlink() for path in base.iterdir())
+    assert _same_model(base, architecture_dirs["qwen3"])
 
 
 def test_a_repository_of_pytorch_pickles_imports_from_its_pickles(
@@ -98,9 +105,7 @@ def test_a_repository_of_pytorch_pickles_imports_from_its_pickles(
 
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
-    from pipeline.model.base_import import import_base
     from pipeline.model.hub import base_source
 
     pickled = tmp_path / "pickled"
@@ -111,16 +116,8 @@ def test_a_repository_of_pytorch_pickles_imports_from_its_pickles(
     checked = tmp_path / "checked.json"
     checked.write_text(json.dumps({"model": {"hub_id": REPO_ID, "commit": FIRST}}))
     source = base_source(REPO_ID, checked=checked, weights=True)
-    import_base(
-        source=source,
-        out_dir=tmp_path / "base",
-        tokenizer_dir=smol_tokenizer_dir,
-        dtype="float32",
-        max_shard_size="2GB",
-    )
-    imported = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).state_dict()
-    expected = AutoModelForCausalLM.from_pretrained(architecture_dirs["qwen3"], dtype=torch.float32).state_dict()
-    assert imported.keys() == expected.keys() and all(torch.equal(imported[k], expected[k]) for k in expected)
+    base = _imported(source, out=tmp_path / "base", tokenizer_dir=smol_tokenizer_dir)
+    assert _same_model(base, architecture_dirs["qwen3"])
 
 
 def test_a_moving_main_stays_at_the_commit_first_seen_until_a_revision_is_named(hub_cache, architecture_dirs):
